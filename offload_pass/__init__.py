@@ -1,0 +1,29 @@
+"""offload_pass: a torch.compile backend that moves saved activations to host memory.
+
+model = torch.compile(model, backend=offload_pass.backend(fraction=0.5))
+"""
+
+from offload_pass import ops  # noqa: F401  (registers the offload_pass:: ops)
+from offload_pass._compat import register_backend_name
+from offload_pass.backend import OffloadBackend, backend, default_backend, offload
+from offload_pass.options import OffloadOptions, set_fraction
+from offload_pass.plan import Plan
+from offload_pass.planner import Decision, Placement
+from offload_pass.runtime import OffloadError, TransferCounts, counts
+
+register_backend_name("offload", offload)
+
+__all__ = [
+    "Decision",
+    "OffloadBackend",
+    "OffloadError",
+    "OffloadOptions",
+    "Placement",
+    "Plan",
+    "TransferCounts",
+    "backend",
+    "counts",
+    "default_backend",
+    "set_fraction",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,147 @@
+"""Every use of a torch internal lives here, each behind one small function.
+
+Supported: torch 2.11 to 2.14. Each branch taken on some version has a test in
+tests/test_compat.py.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+PartitionFn = Callable[..., tuple[torch.fx.GraphModule, torch.fx.GraphModule]]
+PartitionerBase = CustomPartitionerFn
+
+
+def exact_strides_tags(tag_namespace: Any = torch.Tag) -> tuple[torch.Tag, ...]:
+    """Tags that make Inductor hand a custom op its inputs with their traced strides."""
+    for name in ("needs_exact_strides", "needs_fixed_stride_order"):
+        if hasattr(tag_namespace, name):
+            return (getattr(tag_namespace, name),)
+    return ()
+
+
+def stock_partition(
+    joint: torch.fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
+) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+
+def compile_with_inductor(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[object],
+    partitioner: CustomPartitionerFn,
+) -> Callable[..., Any]:
+    """Inductor with ``partitioner`` in place of its own.
+
+    Compile caches are off for these graphs: a cached graph would skip the partitioner,
+    and with it the current plan (fractions change between compiles).
+    """
+    from torch._inductor.compile_fx import compile_fx
+
+    patches = {"custom_partitioner_fn": partitioner, "fx_graph_cache": False}
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def compile_with_eager(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[object], partition: PartitionFn
+) -> Callable[..., Any]:
+    """AOTAutograd with ``partition``, running the rewritten graphs as plain FX code."""
+    from functorch.compile import make_boxed_func
+
+    def run_graph(graph: torch.fx.GraphModule, _: Sequence[object]) -> Any:
+        return make_boxed_func(graph.forward)
+
+    backend = aot_autograd(fw_compiler=run_graph, bw_compiler=run_graph, partition_fn=partition)
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        return backend(gm, example_inputs)
+
+
+def run_on_fakes(target: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """Call ``target`` on fake tensors, in the fake mode they belong to."""
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode((args, kwargs))
+    with mode:
+        return target(*args, **kwargs)
+
+
+def concrete_int(value: int | torch.SymInt) -> int | None:
+    """``value`` as a plain int, from its hint when symbolic; None when it has none."""
+    if isinstance(value, torch.SymInt):
+        hint = value.node.hint
+        return None if hint is None else int(hint)
+    return int(value)
+
+
+_SOURCE = re.compile(r"^(?P<scope>[LG])\['(?P<name>[^']+)'\]$")
+
+
+def root_modules_being_compiled() -> dict[str, torch.nn.Module]:
+    """The modules Dynamo is tracing from, by source name (``L['self']``).
+
+    Known only while Dynamo calls the backend; empty when this torch does not say.
+    """
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+    except (ImportError, AttributeError, AssertionError):
+        return {}
+    if tx is None:
+        return {}
+    scopes = {"L": getattr(tx, "f_locals", {}), "G": getattr(tx, "f_globals", {})}
+    roots = {}
+    for scope, values in scopes.items():
+        for name, value in values.items():
+            if isinstance(value, torch.nn.Module):
+                roots[f"{scope}['{name}']"] = value
+    return roots
+
+
+def split_source_path(path: str) -> tuple[str, str]:
+    """``"L['self'].blocks[0]"`` -> (``"L['self']"``, ``"blocks.0"``)."""
+    path = re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    root, _, rest = path.partition(".")
+    if _SOURCE.match(root) is None:
+        return "", path
+    return root, rest
+
+
+def _stack_entries(node: torch.fx.Node) -> list[tuple[str, str, int | None]]:
+    """(root source, path below it, id of the module or None), outermost first.
+
+    Dynamo keys ``nn_module_stack`` by the id of each module it inlined.
+    """
+    stack = node.meta.get("nn_module_stack") or {}
+    entries = []
+    for key, (source, _) in stack.items():
+        root, path = split_source_path(source)
+        entries.append((root, path, int(key) if str(key).isdigit() else None))
+    return entries
+
+
+def module_stack(node: torch.fx.Node) -> tuple[tuple[str, int | None], ...]:
+    """(path below the compiled root, id of the module or None), outermost first."""
+    return tuple((path, module_id) for _, path, module_id in _stack_entries(node))
+
+
+def module_stack_sources(node: torch.fx.Node) -> set[str]:
+    return {root for root, _, _ in _stack_entries(node)}
+
+
+def register_backend_name(name: str, compiler_fn: Callable[..., Any]) -> None:
+    """Make ``torch.compile(backend=name)`` find ``compiler_fn`` (once per process)."""
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+
+    if name not in _BACKENDS or _BACKENDS[name] is None:
+        register_backend(compiler_fn=compiler_fn, name=name)

@@ -1,0 +1,169 @@
+"""Analyse: find the saved activations of a partitioned chunk and which of them may move.
+
+Saved values that are views of one storage form one group: the storage crosses PCIe
+once, and backward re-derives each view from the reloaded storage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+
+from offload_pass import _compat
+from offload_pass.layout import is_dense
+
+# Why a saved group cannot move at all (the planner adds its own reasons).
+INPUT_ALIAS = "input or parameter"
+USER_OUTPUT = "user output"
+NON_DENSE = "non-dense layout"
+NOT_REPLAYABLE = "view not replayable"
+NO_SIZE_HINT = "unknown size"
+EMPTY = "empty"
+UNSUPPORTED_DEVICE = "unsupported device"
+NOT_IN_BACKWARD = "not a backward input"
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedGroup:
+    """One storage that forward saves for backward, and the saved values viewing it."""
+
+    root: str
+    members: tuple[str, ...]
+    module_stack: tuple[tuple[str, int | None], ...]
+    op: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    produced_at: int
+    last_forward_use: int
+    first_backward_use: int
+    fixed_reason: str | None
+
+    @property
+    def module_path(self) -> str:
+        return self.module_stack[-1][0] if self.module_stack else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkGraphs:
+    forward: torch.fx.GraphModule
+    backward: torch.fx.GraphModule
+    num_forward_outputs: int
+
+    def saved_values(self) -> list[torch.fx.Node]:
+        outputs = self.forward.graph.output_node().args[0]
+        return list(outputs[self.num_forward_outputs :])
+
+    def user_outputs(self) -> list[torch.fx.Node]:
+        outputs = self.forward.graph.output_node().args[0]
+        return [n for n in outputs[: self.num_forward_outputs] if isinstance(n, torch.fx.Node)]
+
+
+def is_view(node: torch.fx.Node) -> bool:
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    returns = target._schema.returns
+    alias = returns[0].alias_info if len(returns) == 1 else None
+    return alias is not None and not alias.is_write and isinstance(node.args[0], torch.fx.Node)
+
+
+def storage_root(node: torch.fx.Node) -> torch.fx.Node:
+    while is_view(node):
+        node = node.args[0]
+    return node
+
+
+def view_chain(node: torch.fx.Node) -> tuple[torch.fx.Node, ...]:
+    """The view ops from ``node``'s storage root down to ``node``, root side first."""
+    chain = []
+    while is_view(node):
+        chain.append(node)
+        node = node.args[0]
+    return tuple(reversed(chain))
+
+
+def is_replayable(chain: tuple[torch.fx.Node, ...]) -> bool:
+    """Each view takes only constants besides its input, so backward can apply it again."""
+    for node in chain:
+        leaves = pytree.tree_leaves((node.args[1:], node.kwargs))
+        if any(isinstance(leaf, torch.fx.Node) for leaf in leaves):
+            return False
+    return True
+
+
+def aliases(root: torch.fx.Node) -> Iterator[torch.fx.Node]:
+    pending = [root]
+    while pending:
+        node = pending.pop()
+        yield node
+        pending.extend(user for user in node.users if is_view(user) and user.args[0] is node)
+
+
+def _fixed_reason(
+    root: torch.fx.Node,
+    members: list[torch.fx.Node],
+    user_outputs: set[torch.fx.Node],
+    bw_inputs: dict[str, torch.fx.Node],
+) -> str | None:
+    value = root.meta.get("val")
+    if any(m.name not in bw_inputs or not bw_inputs[m.name].users for m in members):
+        return NOT_IN_BACKWARD
+    if root.op == "placeholder" or not isinstance(value, torch.Tensor):
+        return INPUT_ALIAS
+    if any(alias in user_outputs for alias in aliases(root)):
+        return USER_OUTPUT
+    if value.device.type not in ("cuda", "cpu"):
+        return UNSUPPORTED_DEVICE
+    if _compat.concrete_int(value.numel()) is None:
+        return NO_SIZE_HINT
+    if _compat.concrete_int(value.numel()) == 0:
+        return EMPTY
+    if not is_dense(value):
+        return NON_DENSE
+    if not all(is_replayable(view_chain(m)) for m in members):
+        return NOT_REPLAYABLE
+    return None
+
+
+def _last_forward_use(root: torch.fx.Node, index: dict[torch.fx.Node, int]) -> int:
+    uses = [index[u] for a in aliases(root) for u in a.users if u.op != "output"]
+    return max([index[root], *uses])
+
+
+def find_saved_groups(chunk: ChunkGraphs) -> tuple[SavedGroup, ...]:
+    fw_index = {n: i for i, n in enumerate(chunk.forward.graph.nodes)}
+    bw_index = {n: i for i, n in enumerate(chunk.backward.graph.nodes)}
+    bw_inputs = {n.name: n for n in chunk.backward.graph.find_nodes(op="placeholder")}
+    user_outputs = set(chunk.user_outputs())
+
+    by_root: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for value in dict.fromkeys(chunk.saved_values()):
+        if isinstance(value, torch.fx.Node) and isinstance(value.meta.get("val"), torch.Tensor):
+            by_root.setdefault(storage_root(value), []).append(value)
+
+    groups = []
+    for root, members in by_root.items():
+        val = root.meta["val"]
+        readers = [u for m in members if m.name in bw_inputs for u in bw_inputs[m.name].users]
+        numel = _compat.concrete_int(val.numel()) if isinstance(val, torch.Tensor) else 0
+        groups.append(
+            SavedGroup(
+                root=root.name,
+                members=tuple(m.name for m in members),
+                module_stack=_compat.module_stack(root),
+                op=str(root.target) if root.op == "call_function" else root.op,
+                shape=tuple(_compat.concrete_int(s) or 0 for s in val.shape),
+                dtype=val.dtype,
+                nbytes=(numel or 0) * val.element_size(),
+                produced_at=fw_index[root],
+                last_forward_use=_last_forward_use(root, fw_index),
+                first_backward_use=min((bw_index[r] for r in readers), default=len(bw_index)),
+                fixed_reason=_fixed_reason(root, members, user_outputs, bw_inputs),
+            )
+        )
+    return tuple(sorted(groups, key=lambda g: g.produced_at))

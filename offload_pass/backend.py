@@ -1,0 +1,71 @@
+"""The torch.compile backend."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+from offload_pass import _compat
+from offload_pass.options import DEFAULT_MIN_BYTES, OffloadOptions
+from offload_pass.partition import OffloadPartitioner
+from offload_pass.plan import Plan
+
+
+def _module_paths(gm: torch.fx.GraphModule) -> set[str]:
+    """Every module path under the roots Dynamo traces, or those the graph records."""
+    stacks = [_compat.module_stack_sources(node) for node in gm.graph.nodes]
+    sources = {source for stack in stacks for source in stack}
+    roots = _compat.root_modules_being_compiled()
+    paths = {name for s in sources if s in roots for name, _ in roots[s].named_modules()}
+    return paths or {p for node in gm.graph.nodes for p, _ in _compat.module_stack(node)}
+
+
+class OffloadBackend:
+    """Pass to ``torch.compile(model, backend=...)``; keeps one :class:`Plan` per chunk."""
+
+    def __init__(self, options: OffloadOptions) -> None:
+        self.options = options
+        self.plans: list[Plan] = []
+
+    def __call__(
+        self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]
+    ) -> Callable[..., Any]:
+        self.options.check_patterns_match(_module_paths(gm))
+        name = f"chunk {gm.meta.get('dynamo_compile_id', len(self.plans))}"
+        partitioner = OffloadPartitioner(self.options, name, self.plans.append)
+        if self.options.compiler == "eager":
+            return _compat.compile_with_eager(gm, example_inputs, partitioner)
+        return _compat.compile_with_inductor(gm, example_inputs, partitioner)
+
+    def __repr__(self) -> str:
+        return f"OffloadBackend({self.options})"
+
+
+def backend(
+    *,
+    fraction: float | Mapping[str, float] = 1.0,
+    min_bytes: int = DEFAULT_MIN_BYTES,
+    compiler: str = "inductor",
+) -> OffloadBackend:
+    """A torch.compile backend that offloads saved activations to pinned host memory.
+
+    Args:
+        fraction: share of each module's candidate activation bytes to move, in [0, 1];
+            or a mapping from module-path patterns (``"blocks.*.attn"``, relative to the
+            module given to ``torch.compile``) to shares, the innermost match deciding.
+        min_bytes: activations smaller than this stay on the device.
+        compiler: ``"inductor"``, or ``"eager"`` to run the rewritten graphs unfused.
+    """
+    return OffloadBackend(OffloadOptions.create(fraction, min_bytes, compiler))
+
+
+default_backend = OffloadBackend(OffloadOptions())
+"""What ``torch.compile(model, backend="offload")`` uses; its plans are kept here."""
+
+
+def offload(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> Callable[..., Any]:
+    """The ``"offload"`` backend name: :data:`default_backend`."""
+    return default_backend(gm, example_inputs)

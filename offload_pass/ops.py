@@ -1,0 +1,66 @@
+"""The four graph ops of the offload contract (see docs/design.md).
+
+``offload_wait`` and ``reload_wait`` declare that they mutate the tensor they complete.
+That keeps them from being dropped as dead code, and orders every later read of that
+tensor after them, in the FX graph and in Inductor's schedule alike.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from offload_pass import _compat, runtime
+from offload_pass.layout import dense_strides
+
+
+@torch.library.custom_op(
+    "offload_pass::offload", mutates_args=(), tags=_compat.exact_strides_tags()
+)
+def offload(a: Tensor) -> Tensor:
+    """Start copying ``a`` to a host buffer on the device-to-host stream."""
+    return runtime.offload(a)
+
+
+@offload.register_fake
+def _offload_fake(a: Tensor) -> Tensor:
+    return torch.empty_strided(a.shape, dense_strides(a), dtype=a.dtype, device="cpu")
+
+
+@torch.library.custom_op("offload_pass::offload_wait", mutates_args=("h",))
+def offload_wait(h: Tensor, a: Tensor) -> None:
+    """Make the compute stream wait until ``h`` holds ``a``; the last use of ``a``."""
+    runtime.offload_wait(h, a)
+
+
+@offload_wait.register_fake
+def _offload_wait_fake(h: Tensor, a: Tensor) -> None:
+    return None
+
+
+@torch.library.custom_op("offload_pass::reload", mutates_args=())
+def reload(h: Tensor, device: torch.device) -> Tensor:
+    """Start copying ``h`` back to ``device`` once its offload has completed."""
+    return runtime.reload(h, device)
+
+
+@reload.register_fake
+def _reload_fake(h: Tensor, device: torch.device) -> Tensor:
+    return torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=device)
+
+
+@torch.library.custom_op("offload_pass::reload_wait", mutates_args=("g",))
+def reload_wait(g: Tensor) -> None:
+    """Make the compute stream wait until the reload into ``g`` has completed."""
+    runtime.reload_wait(g)
+
+
+@reload_wait.register_fake
+def _reload_wait_fake(g: Tensor) -> None:
+    return None
+
+
+OFFLOAD = torch.ops.offload_pass.offload.default
+OFFLOAD_WAIT = torch.ops.offload_pass.offload_wait.default
+RELOAD = torch.ops.offload_pass.reload.default
+RELOAD_WAIT = torch.ops.offload_pass.reload_wait.default

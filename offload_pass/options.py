@@ -1,0 +1,128 @@
+"""User options, checked once, and the rule that turns them into a fraction per module."""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import Literal
+
+import torch
+
+Compiler = Literal["inductor", "eager"]
+COMPILERS: tuple[str, ...] = ("inductor", "eager")
+DEFAULT_MIN_BYTES = 256 * 1024
+
+
+def check_fraction(value: object, what: str = "fraction") -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be a number in [0, 1], got {value!r}")
+    if not (0.0 <= float(value) <= 1.0):
+        raise ValueError(f"{what} must be in [0, 1], got {value!r}")
+    return float(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadOptions:
+    """What the user asked for, validated.
+
+    ``fraction`` is either one share for every module or a mapping from module-path
+    patterns (``fnmatch`` syntax, e.g. ``"blocks.*.attn"``) to shares. With a mapping, a
+    module no pattern covers moves nothing; add ``"*"`` to give the rest a share.
+    """
+
+    default_fraction: float = 1.0
+    patterns: tuple[tuple[str, float], ...] = ()
+    min_bytes: int = DEFAULT_MIN_BYTES
+    compiler: Compiler = "inductor"
+
+    @classmethod
+    def create(
+        cls,
+        fraction: float | Mapping[str, float] = 1.0,
+        min_bytes: int = DEFAULT_MIN_BYTES,
+        compiler: str = "inductor",
+    ) -> OffloadOptions:
+        if isinstance(fraction, Mapping):
+            patterns = tuple(
+                (_check_pattern(p), check_fraction(f, f"fraction[{p!r}]"))
+                for p, f in fraction.items()
+            )
+            default = 0.0
+        else:
+            patterns, default = (), check_fraction(fraction)
+        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+            raise ValueError(f"min_bytes must be a non-negative int, got {min_bytes!r}")
+        if compiler not in COMPILERS:
+            raise ValueError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
+        return cls(default, patterns, min_bytes, compiler)  # type: ignore[arg-type]
+
+    def check_patterns_match(self, module_paths: Iterable[str]) -> None:
+        paths = list(module_paths)
+        for pattern, _ in self.patterns:
+            if not any(fnmatch.fnmatchcase(path, pattern) for path in paths):
+                example = ", ".join(repr(p) for p in paths[1:4] if p)
+                raise ValueError(
+                    f"fraction pattern {pattern!r} matches no module of the compiled "
+                    f"model (module paths look like {example})"
+                )
+
+
+def _check_pattern(pattern: object) -> str:
+    if not isinstance(pattern, str):
+        raise TypeError(f"fraction patterns must be strings, got {pattern!r}")
+    return pattern
+
+
+_overrides: weakref.WeakKeyDictionary[torch.nn.Module, float] = weakref.WeakKeyDictionary()
+
+
+def set_fraction(module: torch.nn.Module, fraction: float) -> None:
+    """Offload ``fraction`` of ``module``'s activations from the next call on.
+
+    Takes precedence over the backend's ``fraction`` option for this module and the
+    modules inside it. Compiled code is discarded (``torch.compiler.reset()``), so the
+    next call compiles and plans again with the new share.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"set_fraction expects an nn.Module, got {type(module).__name__}")
+    _overrides[module] = check_fraction(fraction)
+    torch.compiler.reset()
+
+
+def fraction_overrides() -> dict[int, float]:
+    """The shares set with :func:`set_fraction`, by ``id`` of the live module."""
+    return {id(module): share for module, share in _overrides.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class FractionRule:
+    """The options and :func:`set_fraction` overrides in force when a chunk compiles."""
+
+    default: float
+    patterns: tuple[tuple[str, float], ...]
+    overrides: tuple[tuple[int, float], ...]
+
+    @classmethod
+    def current(cls, options: OffloadOptions) -> FractionRule:
+        return cls(
+            options.default_fraction,
+            options.patterns,
+            tuple(sorted(fraction_overrides().items())),
+        )
+
+    def resolve(self, stack: tuple[tuple[str, int | None], ...]) -> tuple[str, float]:
+        """(the module path that decides, its share) for a node's module stack.
+
+        The innermost module with an override or a matching pattern decides; among
+        patterns matching one module the last listed wins.
+        """
+        overrides = dict(self.overrides)
+        for path, module_id in reversed(stack):
+            if module_id in overrides:
+                return path, overrides[module_id]
+            matched = [f for p, f in self.patterns if fnmatch.fnmatchcase(path, p)]
+            if matched:
+                return path, matched[-1]
+        return "", self.default

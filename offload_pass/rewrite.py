@@ -1,0 +1,117 @@
+"""Rewrite: insert the transfer ops where the plan says. Decides nothing.
+
+Forward: ``h = offload(a)`` after ``a``'s producer, ``offload_wait(h, a)`` where placed,
+and ``h`` replaces the saved values of ``a``'s storage in the outputs. Backward: the
+saved-value inputs become one host input, ``g = reload(h)`` and ``reload_wait(g)`` go
+where placed, and each saved view is applied again to ``g``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.fx
+
+from offload_pass import _compat, ops
+from offload_pass.analysis import ChunkGraphs, SavedGroup, view_chain
+from offload_pass.planner import Placement
+
+_COPIED_META = ("nn_module_stack", "stack_trace", "source_fn_stack")
+
+
+def _add_node(
+    graph: torch.fx.Graph,
+    target: object,
+    args: tuple,
+    like: torch.fx.Node,
+    kwargs: dict | None = None,
+) -> torch.fx.Node:
+    node = graph.call_function(target, args, kwargs)
+    values = torch.fx.node.map_arg((args, kwargs or {}), lambda n: n.meta["val"])
+    node.meta["val"] = _compat.run_on_fakes(target, *values)
+    node.meta.update({k: like.meta[k] for k in _COPIED_META if k in like.meta})
+    return node
+
+
+def rewrite_forward(
+    forward: torch.fx.GraphModule,
+    groups: dict[str, SavedGroup],
+    placements: Sequence[Placement],
+    num_forward_outputs: int,
+) -> dict[str, torch.fx.Node]:
+    """Insert offload and offload_wait; return the host node of each moved root."""
+    graph = forward.graph
+    nodes = {n.name: n for n in graph.nodes}
+    host: dict[str, torch.fx.Node] = {}
+    for p in placements:
+        root = nodes[p.root]
+        with graph.inserting_after(root):
+            host[p.root] = _add_node(graph, ops.OFFLOAD, (root,), root)
+    for p in reversed(placements):
+        anchor = host.get(p.wait_after, nodes[p.wait_after])
+        with graph.inserting_after(anchor):
+            _add_node(graph, ops.OFFLOAD_WAIT, (host[p.root], nodes[p.root]), nodes[p.root])
+
+    output = graph.output_node()
+    outputs = list(output.args[0])
+    replaced = {m: groups[p.root] for p in placements for m in groups[p.root].members}
+    saved = []
+    for value in outputs[num_forward_outputs:]:
+        group = replaced.get(getattr(value, "name", None))
+        if group is None:
+            saved.append(value)
+        elif value.name == group.members[0]:
+            saved.append(host[group.root])
+    output.args = (tuple(outputs[:num_forward_outputs] + saved),)
+    graph.lint()
+    forward.recompile()
+    return host
+
+
+def rewrite_backward(
+    backward: torch.fx.GraphModule,
+    forward: torch.fx.GraphModule,
+    groups: dict[str, SavedGroup],
+    placements: Sequence[Placement],
+    host: dict[str, torch.fx.Node],
+) -> None:
+    """Turn saved inputs into host inputs, then insert reload, reload_wait and views."""
+    graph = backward.graph
+    nodes = {n.name: n for n in graph.nodes}
+    fw_nodes = {n.name: n for n in forward.graph.nodes}
+    host_inputs = {}
+    for p in placements:
+        first = nodes[groups[p.root].members[0]]
+        with graph.inserting_before(first):
+            host_input = graph.placeholder(host[p.root].name)
+        host_input.meta["val"] = host[p.root].meta["val"]
+        host_inputs[p.root] = host_input
+
+    after_inputs = next(n for n in graph.nodes if n.op != "placeholder")
+    position = {name: i for i, name in enumerate(nodes)}
+    by_first_use = sorted(placements, key=lambda p: position[p.first_use])
+    for p in by_first_use:
+        root = fw_nodes[p.root]
+        device = root.meta["val"].device
+        reload_point = nodes[p.reload_before] if p.reload_before else after_inputs
+        with graph.inserting_before(reload_point):
+            loaded = _add_node(graph, ops.RELOAD, (host_inputs[p.root], device), root)
+        with graph.inserting_before(nodes[p.first_use]):
+            _add_node(graph, ops.RELOAD_WAIT, (loaded,), root)
+            for member in groups[p.root].members:
+                view = loaded
+                for step in view_chain(fw_nodes[member]):
+                    view = _add_node(graph, step.target, (view, *step.args[1:]), step, step.kwargs)
+                nodes[member].replace_all_uses_with(view)
+                graph.erase_node(nodes[member])
+    graph.lint()
+    backward.recompile()
+
+
+def insert_transfers(
+    chunk: ChunkGraphs, moved: Sequence[SavedGroup], placements: Sequence[Placement]
+) -> None:
+    groups = {g.root: g for g in moved}
+    host = rewrite_forward(chunk.forward, groups, placements, chunk.num_forward_outputs)
+    rewrite_backward(chunk.backward, chunk.forward, groups, placements, host)
