@@ -5,26 +5,29 @@ That keeps them from being dropped as dead code, and orders every later read of 
 tensor after them, in the FX graph and in Inductor's schedule alike.
 """
 
-from __future__ import annotations
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from offload_pass import _compat, runtime
-from offload_pass.layout import dense_strides
 
 
 @torch.library.custom_op(
     "offload_pass::offload", mutates_args=(), tags=_compat.exact_strides_tags()
 )
-def offload(a: Tensor) -> Tensor:
-    """Start copying ``a`` to a host buffer on the device-to-host stream."""
-    return runtime.offload(a)
+def offload(a: Tensor, stride: Sequence[int]) -> Tensor:
+    """Start copying ``a`` into a host buffer with strides ``stride``.
+
+    The strides are fixed when the graph is rewritten, so the host tensor has the layout
+    the backward graph was compiled for, whatever layout the compiler chose for ``a``.
+    """
+    return runtime.offload(a, stride)
 
 
 @offload.register_fake
-def _offload_fake(a: Tensor) -> Tensor:
-    return torch.empty_strided(a.shape, dense_strides(a), dtype=a.dtype, device="cpu")
+def _offload_fake(a: Tensor, stride: Sequence[int]) -> Tensor:
+    return torch.empty_strided(a.shape, stride, dtype=a.dtype, device="cpu")
 
 
 @torch.library.custom_op("offload_pass::offload_wait", mutates_args=("h",))

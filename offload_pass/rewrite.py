@@ -15,6 +15,7 @@ import torch.fx
 
 from offload_pass import _compat, ops
 from offload_pass.analysis import ChunkGraphs, SavedGroup, view_chain
+from offload_pass.layout import dense_strides
 from offload_pass.planner import Placement
 
 _COPIED_META = ("nn_module_stack", "stack_trace", "source_fn_stack")
@@ -47,7 +48,8 @@ def rewrite_forward(
     for p in placements:
         root = nodes[p.root]
         with graph.inserting_after(root):
-            host[p.root] = _add_node(graph, ops.OFFLOAD, (root,), root)
+            stride = dense_strides(root.meta["val"])
+            host[p.root] = _add_node(graph, ops.OFFLOAD, (root, stride), root)
     for p in reversed(placements):
         anchor = host.get(p.wait_after, nodes[p.wait_after])
         with graph.inserting_after(anchor):

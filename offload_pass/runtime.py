@@ -15,10 +15,9 @@ from __future__ import annotations
 import dataclasses
 import threading
 import weakref
+from collections.abc import Sequence
 
 import torch
-
-from offload_pass.layout import dense_strides
 
 
 class OffloadError(RuntimeError):
@@ -74,12 +73,10 @@ def _track(table: dict, tensor: torch.Tensor, event: torch.cuda.Event | None) ->
     weakref.finalize(tensor, table.pop, key, None)
 
 
-def _host_buffer(a: torch.Tensor) -> torch.Tensor:
+def _host_buffer(a: torch.Tensor, stride: Sequence[int]) -> torch.Tensor:
     pin = a.device.type == "cuda"
     try:
-        return torch.empty_strided(
-            a.shape, dense_strides(a), dtype=a.dtype, device="cpu", pin_memory=pin
-        )
+        return torch.empty_strided(a.shape, stride, dtype=a.dtype, device="cpu", pin_memory=pin)
     except RuntimeError as error:
         nbytes = a.numel() * a.element_size()
         raise OffloadError(
@@ -89,8 +86,8 @@ def _host_buffer(a: torch.Tensor) -> torch.Tensor:
         ) from error
 
 
-def offload(a: torch.Tensor) -> torch.Tensor:
-    h = _host_buffer(a)
+def offload(a: torch.Tensor, stride: Sequence[int]) -> torch.Tensor:
+    h = _host_buffer(a, stride)
     event = None
     if a.device.type == "cuda":
         streams = copy_streams(a.device)
@@ -111,7 +108,7 @@ def _offload_event(h: torch.Tensor) -> torch.cuda.Event | None:
     key = h.untyped_storage().data_ptr()
     if key not in _offload_done:
         raise OffloadError(
-            "reload of a host tensor that no offload produced (or that was already freed)"
+            "host tensor was not produced by offload_pass.offload (or was already freed)"
         )
     return _offload_done[key]
 

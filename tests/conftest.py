@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import offload_pass
+
+
+@pytest.fixture(autouse=True)
+def fresh_compile_state():
+    torch.compiler.reset()
+    yield
+    torch.compiler.reset()
+
+
+def total(out: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """A scalar loss that reads every output."""
+    if isinstance(out, tuple):
+        return sum(o.float().pow(2).mean() for o in out)
+    return out.float().pow(2).mean()
+
+
+def train_step(
+    model: torch.nn.Module, x: torch.Tensor, seed: int = 0
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """(loss, parameter grads, input grad) of one forward and backward."""
+    x = x.detach().clone().requires_grad_(x.is_floating_point())
+    torch.manual_seed(seed)
+    loss = total(model(x))
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads, x.grad
+
+
+def reference_backend(compiler: str) -> str:
+    """The same compiler with no offload pass in it."""
+    return {"inductor": "inductor", "eager": "aot_eager"}[compiler]
+
+
+def compiled_pair(
+    make_model: Callable[[], torch.nn.Module], compiler: str, **options
+) -> tuple[torch.nn.Module, torch.nn.Module, offload_pass.OffloadBackend]:
+    """(offloading model, reference model) with equal weights, and the backend."""
+    torch.manual_seed(0)
+    model = make_model()
+    reference = copy.deepcopy(model)
+    backend = offload_pass.backend(compiler=compiler, min_bytes=0, **options)
+    return (
+        torch.compile(model, backend=backend),
+        torch.compile(reference, backend=reference_backend(compiler)),
+        backend,
+    )
+
+
+def assert_same_step(a, b) -> None:
+    loss_a, grads_a, x_grad_a = a
+    loss_b, grads_b, x_grad_b = b
+    assert torch.equal(loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        assert torch.equal(grads_a[name], grads_b[name]), name
+    if x_grad_a is not None or x_grad_b is not None:
+        assert torch.equal(x_grad_a, x_grad_b)

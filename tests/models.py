@@ -1,0 +1,141 @@
+"""Small models covering the shapes of saved state a training job produces."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(width, 4 * width)
+        self.fc2 = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class Block(nn.Module):
+    """One W1 decoder block: pre-norm attention and a 4x GELU MLP, both residual."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = MLP(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class BlockStack(nn.Module):
+    def __init__(self, dim: int = 32, heads: int = 4, depth: int = 2) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class ConvNet(nn.Module):
+    """Channels-last convolutions: saved activations are dense but not contiguous."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 16, 3, padding=1)
+        self.bn = nn.BatchNorm2d(16)
+        self.conv2 = nn.Conv2d(16, 16, 3, padding=1)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.bn(self.conv1(x))), 2)
+        x = F.relu(self.conv2(x))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+class DropoutMLP(nn.Module):
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(width, 4 * width)
+        self.drop = nn.Dropout(0.3)
+        self.fc2 = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.drop(torch.tanh(self.fc1(x))))
+
+
+class SavedIsOutput(nn.Module):
+    """Returns an activation that backward also reads."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(width, width)
+        self.fc2 = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = torch.tanh(self.fc1(x))
+        return self.fc2(torch.sin(hidden)), hidden
+
+
+class SavedViews(nn.Module):
+    """Backward reads two non-contiguous views of one intermediate storage."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, 2 * width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        left, right = y[:, ::2], y[:, 1::2]
+        return torch.sin(left) * torch.cos(right)
+
+
+class IndexAndMask(nn.Module):
+    """Backward reads an int64 index tensor and a bool mask made in forward."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(width, width)
+        self.fc2 = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.fc1(x), self.fc2(x)
+        index = torch.argsort(a.detach(), dim=-1)
+        mask = a.detach() > b.detach()
+        return torch.gather(b, -1, index) * torch.where(mask, a, b)
+
+
+class TwoChunks(nn.Module):
+    """A graph break splits this into two compiled chunks."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.first = MLP(width)
+        self.second = MLP(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first(x)
+        torch._dynamo.graph_break()
+        return self.second(x)
