@@ -28,8 +28,10 @@ class OffloadOptions:
     """What the user asked for, validated.
 
     ``fraction`` is either one share for every module or a mapping from module-path
-    patterns (``fnmatch`` syntax, e.g. ``"blocks.*.attn"``) to shares. With a mapping, a
-    module no pattern covers moves nothing; add ``"*"`` to give the rest a share.
+    patterns (``fnmatch`` syntax, e.g. ``"blocks.*.attn"``) to shares. A pattern covers
+    the modules it matches and everything inside them; where several cover a module, the
+    one listed last wins. With a mapping, what no pattern covers moves nothing; list
+    ``"*"`` first to give the rest a share.
     """
 
     default_fraction: float = 1.0
@@ -113,16 +115,18 @@ class FractionRule:
         )
 
     def resolve(self, stack: tuple[tuple[str, int | None], ...]) -> tuple[str, float]:
-        """(the module path that decides, its share) for a node's module stack.
+        """(the module whose share applies, the share) for a node's module stack.
 
-        The innermost module with an override or a matching pattern decides; among
-        patterns matching one module the last listed wins.
+        A :func:`set_fraction` override decides first, the innermost one if several;
+        then the pattern listed last among those covering a module in the stack, owned by
+        the outermost module it matches; then the default, owned by the root.
         """
         overrides = dict(self.overrides)
         for path, module_id in reversed(stack):
             if module_id in overrides:
                 return path, overrides[module_id]
-            matched = [f for p, f in self.patterns if fnmatch.fnmatchcase(path, p)]
-            if matched:
-                return path, matched[-1]
+        for pattern, share in reversed(self.patterns):
+            for path, _ in stack:
+                if fnmatch.fnmatchcase(path, pattern):
+                    return path, share
         return "", self.default

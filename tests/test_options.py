@@ -1,0 +1,105 @@
+"""Options: per-module fractions, set_fraction between steps, and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import offload_pass
+from tests import models
+from tests.conftest import train_step
+
+
+def _moved_modules(plan: offload_pass.Plan) -> set[str]:
+    return {d.group.module_path.split(".")[1] for d in plan.moved}
+
+
+def test_pattern_fractions_apply_per_module():
+    model = models.BlockStack(depth=2)
+    backend = offload_pass.backend(fraction={"blocks.1*": 1.0}, min_bytes=0, compiler="eager")
+    train_step(torch.compile(model, backend=backend), torch.randn(2, 16, 32))
+    (plan,) = backend.plans
+    assert _moved_modules(plan) == {"1"}
+    kept_in_0 = [d for d in plan.decisions if d.group.module_path.startswith("blocks.0")]
+    assert kept_in_0 and all(not d.moved for d in kept_in_0)
+
+
+def test_innermost_pattern_wins():
+    model = models.BlockStack(depth=1)
+    fraction = {"*": 1.0, "blocks.0.mlp": 0.0}
+    backend = offload_pass.backend(fraction=fraction, min_bytes=0, compiler="eager")
+    train_step(torch.compile(model, backend=backend), torch.randn(2, 16, 32))
+    for decision in backend.plans[0].decisions:
+        if decision.group.fixed_reason is None:
+            in_mlp = decision.group.module_path.startswith("blocks.0.mlp")
+            assert decision.moved != in_mlp, decision.group.module_path
+
+
+def test_set_fraction_changes_the_next_plan():
+    torch.manual_seed(0)
+    model = models.BlockStack(depth=2)
+    backend = offload_pass.backend(fraction=1.0, min_bytes=0, compiler="eager")
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(2, 16, 32)
+    first = train_step(compiled, x)
+    assert _moved_modules(backend.plans[-1]) == {"0", "1"}
+
+    offload_pass.set_fraction(model.blocks[0], 0.0)
+    second = train_step(compiled, x)
+    assert len(backend.plans) == 2
+    assert _moved_modules(backend.plans[-1]) == {"1"}
+    for name in first[1]:
+        assert torch.equal(first[1][name], second[1][name])
+
+    offload_pass.set_fraction(model.blocks[0], 1.0)
+    train_step(compiled, x)
+    assert _moved_modules(backend.plans[-1]) == {"0", "1"}
+
+
+@pytest.mark.parametrize("fraction", [-0.1, 1.5, float("nan")])
+def test_fraction_out_of_range_is_rejected(fraction):
+    with pytest.raises(ValueError, match=r"fraction must be in \[0, 1\]"):
+        offload_pass.backend(fraction=fraction)
+    with pytest.raises(ValueError, match=r"fraction must be in \[0, 1\]"):
+        offload_pass.set_fraction(torch.nn.Linear(1, 1), fraction)
+
+
+def test_fraction_in_a_mapping_is_checked_by_pattern():
+    with pytest.raises(ValueError, match=r"fraction\['blocks\.\*'\] must be in \[0, 1\]"):
+        offload_pass.backend(fraction={"blocks.*": 2})
+
+
+def test_non_numeric_fraction_is_rejected():
+    with pytest.raises(TypeError, match="fraction must be a number"):
+        offload_pass.backend(fraction="half")
+
+
+def test_unknown_compiler_is_rejected():
+    with pytest.raises(ValueError, match="compiler must be one of .*'aot'"):
+        offload_pass.backend(compiler="aot")
+
+
+def test_negative_min_bytes_is_rejected():
+    with pytest.raises(ValueError, match="min_bytes"):
+        offload_pass.backend(min_bytes=-1)
+
+
+def test_set_fraction_needs_a_module():
+    with pytest.raises(TypeError, match="nn.Module"):
+        offload_pass.set_fraction("blocks.0", 0.5)
+
+
+def test_pattern_matching_no_module_names_the_pattern():
+    backend = offload_pass.backend(fraction={"blocks.*.atn": 0.5}, compiler="eager")
+    compiled = torch.compile(models.BlockStack(), backend=backend)
+    with pytest.raises(Exception, match=r"pattern 'blocks\.\*\.atn' matches no module"):
+        compiled(torch.randn(2, 16, 32))
+
+
+def test_backend_is_registered_by_name():
+    model = models.MLP()
+    x = torch.randn(8, 64)
+    out = torch.compile(model, backend="offload")(x)
+    torch.compiler.reset()
+    assert torch.equal(out, torch.compile(model)(x))
+    assert offload_pass.default_backend.plans

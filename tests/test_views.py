@@ -1,0 +1,74 @@
+"""Saved views of one storage: the storage crosses once and comes back viewed the same way."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import offload_pass
+from offload_pass import ops
+from offload_pass.analysis import ChunkGraphs, find_saved_groups
+from offload_pass.options import OffloadOptions
+from offload_pass.partition import offload_chunk
+
+
+def _forward(x, w):
+    y = torch.mm(x, w)
+    return y.sum(), y[:, ::2], y.t()[1:]
+
+
+def _backward(left, right, tangent):
+    return (left.sum(dim=1, keepdim=True) * right[0] * tangent,)
+
+
+def _chunk(x, w) -> ChunkGraphs:
+    forward = make_fx(_forward, tracing_mode="fake")(x, w)
+    saved = list(forward.graph.output_node().args[0][1:])
+    left, right = _forward(x, w)[1:]
+    backward = make_fx(_backward, tracing_mode="fake")(left, right, torch.tensor(1.0))
+    for placeholder, node in zip(backward.graph.find_nodes(op="placeholder"), saved, strict=False):
+        placeholder.name = placeholder.target = node.name
+    backward.recompile()
+    return ChunkGraphs(forward, backward, num_forward_outputs=1)
+
+
+def test_views_of_one_storage_form_one_group():
+    x, w = torch.randn(6, 4), torch.randn(4, 8)
+    (group,) = find_saved_groups(_chunk(x, w))
+    assert group.op == "aten.mm.default"
+    assert len(group.members) == 2
+    assert group.nbytes == 6 * 8 * 4
+    assert group.fixed_reason is None
+
+
+def test_storage_crosses_once_and_views_share_one_storage_after_reload():
+    x, w = torch.randn(6, 4), torch.randn(4, 8)
+    chunk = _chunk(x, w)
+    plan = offload_chunk(chunk, OffloadOptions.create(min_bytes=0), "views")
+    assert len(plan.forward.graph.find_nodes(op="call_function", target=ops.OFFLOAD)) == 1
+
+    before = offload_pass.counts().bytes_offloaded
+    total, host = plan.forward(x, w)
+    assert offload_pass.counts().bytes_offloaded - before == 6 * 8 * 4
+    assert host.device.type == "cpu"
+
+    interpreter = torch.fx.Interpreter(plan.backward, garbage_collect_values=False)
+    (grad,) = interpreter.run(host, torch.tensor(1.0))
+    left, right = _forward(x, w)[1:]
+    assert torch.equal(grad, _backward(left, right, torch.tensor(1.0))[0])
+
+    (reload,) = plan.backward.graph.find_nodes(op="call_function", target=ops.RELOAD)
+    views = [
+        n for n in plan.backward.graph.nodes if n.op == "call_function" and n.args[:1] == (reload,)
+    ]
+    storages = set()
+    for node in plan.backward.graph.nodes:
+        value = interpreter.env.get(node)
+        if isinstance(value, torch.Tensor) and node.target in (
+            torch.ops.aten.slice.Tensor,
+            torch.ops.aten.t.default,
+        ):
+            storages.add(value.untyped_storage().data_ptr())
+    assert views
+    assert storages == {interpreter.env[reload].untyped_storage().data_ptr()}
