@@ -7,6 +7,7 @@ once, and backward re-derives each view from the reloaded storage.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Iterator
 
 import torch
@@ -64,12 +65,18 @@ class ChunkGraphs:
 
 
 def is_view(node: torch.fx.Node) -> bool:
+    """An op whose result aliases its first input: a view op, or one element of a
+    multi-output view op such as ``unbind``."""
     target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(node.args[0], torch.fx.Node):
+        return False
+    if target is operator.getitem:
+        return is_view(node.args[0])
+    if not isinstance(target, torch._ops.OpOverload):
         return False
     returns = target._schema.returns
     alias = returns[0].alias_info if len(returns) == 1 else None
-    return alias is not None and not alias.is_write and isinstance(node.args[0], torch.fx.Node)
+    return alias is not None and not alias.is_write
 
 
 def storage_root(node: torch.fx.Node) -> torch.fx.Node:
