@@ -35,7 +35,7 @@ def test_outputs_and_gradients_equal_unoffloaded(case, fraction, compiler):
         assert_same_step(train_step(model, x, seed=step), train_step(reference, x, seed=step))
     for plan in backend.plans:
         movable = sum(d.group.nbytes for d in plan.decisions if d.group.fixed_reason is None)
-        assert 0 < movable
+        assert movable > 0
         assert plan.bytes_moved <= fraction * movable
         assert fraction < 1.0 or plan.bytes_moved == movable
 

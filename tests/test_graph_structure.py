@@ -68,12 +68,28 @@ def _alias(code: str, buffer: str) -> str:
     return match.group(1) if match else buffer
 
 
-def test_inductor_keeps_the_order_in_generated_code():
-    model, _, backend = compiled_pair(models.BlockStack, "inductor", fraction=1.0)
-    _, (forward_code, backward_code) = run_and_get_code(
-        lambda: train_step(model, torch.randn(2, 16, 32))
+_DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.cuda,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+def test_inductor_keeps_the_order_in_generated_code(device):
+    model, _, backend = compiled_pair(
+        lambda: models.BlockStack().to(device), "inductor", fraction=1.0
     )
-    offloads = re.findall(r"(\w+) = torch\.ops\.offload_pass\.offload\.default\((\w+),", forward_code)
+    _, (forward_code, backward_code) = run_and_get_code(
+        lambda: train_step(model, torch.randn(2, 16, 32, device=device))
+    )
+    offload_call = r"(\w+) = torch\.ops\.offload_pass\.offload\.default\((\w+),"
+    offloads = re.findall(offload_call, forward_code)
     assert len(offloads) == len(backend.plans[0].moved)
     for host, device_buffer in offloads:
         produced = forward_code.index(f"{device_buffer} = ")

@@ -85,9 +85,7 @@ def test_forward_without_backward_leaks_nothing():
     baseline = offload_pass.counts()
 
     loss = total(compiled(torch.randn(2, 16, 32, requires_grad=True)))
-    assert offload_pass.counts().host_buffers == baseline.host_buffers + len(
-        backend.plans[0].moved
-    )
+    assert offload_pass.counts().host_buffers == baseline.host_buffers + len(backend.plans[0].moved)
     del loss
     gc.collect()
     after = offload_pass.counts()

@@ -1,0 +1,167 @@
+"""Stream ordering, memory release and pinned-pool behaviour on a real CUDA device."""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+
+import offload_pass
+from offload_pass import ops, runtime
+from tests import models
+from tests.conftest import total
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+STALL_MS = 200
+CYCLES_PER_MS = 2_000_000  # about an H100/H200 clock; the tests check the stall took effect
+
+
+def _stall(stream: torch.cuda.Stream, ms: int = STALL_MS) -> None:
+    """Queue a busy-wait of about ``ms`` milliseconds on ``stream``."""
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(ms * CYCLES_PER_MS)
+
+
+def _reload_after_stalled_offload() -> tuple[bool, bool]:
+    """(the offload was still in flight when the reload was issued, reload == source)."""
+    a = torch.randn(64 * 2**20, device="cuda")  # 256 MiB, fresh values every call
+    torch.cuda.synchronize()
+    _stall(runtime.copy_streams(a.device).device_to_host)
+    h = ops.offload(a, a.stride())
+    g = ops.reload(h, a.device)
+    in_flight = not runtime._offload_done[h.untyped_storage().data_ptr()].query()
+    ops.reload_wait(g)
+    same = torch.equal(g, a)
+    torch.cuda.synchronize()
+    return in_flight, same
+
+
+def test_reload_waits_for_a_stalled_offload():
+    in_flight, same = _reload_after_stalled_offload()
+    assert in_flight, "the stall did not take effect"
+    assert same
+
+
+def test_without_the_event_wait_the_stalled_race_corrupts(monkeypatch):
+    """The check above can fail: drop the reload's wait and it reads a half-filled buffer."""
+    monkeypatch.setattr(runtime, "wait_for_offload", lambda stream, h: None)
+    in_flight, same = _reload_after_stalled_offload()
+    assert in_flight
+    assert not same
+
+
+def _blocks(depth: int = 2, dim: int = 256, heads: int = 4) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return models.BlockStack(dim=dim, heads=heads, depth=depth).cuda()
+
+
+def _step(model, x):
+    x = x.clone().requires_grad_()
+    total(model(x)).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = None
+    return grads, x.grad
+
+
+@pytest.mark.parametrize("stalled", ["device_to_host", "host_to_device"])
+def test_gradients_exact_with_a_stalled_copy_stream(stalled):
+    model = _blocks()
+    reference = torch.compile(copy.deepcopy(model))
+    backend = offload_pass.backend(fraction=1.0, min_bytes=0)
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(2, 128, 256, device="cuda")
+    expected = _step(reference, x)
+    _step(compiled, x)  # compile outside the timed stall
+
+    streams = runtime.copy_streams(x.device)
+    xg = x.clone().requires_grad_()
+    if stalled == "device_to_host":
+        _stall(streams.device_to_host)
+    loss = total(compiled(xg))
+    if stalled == "host_to_device":
+        _stall(streams.host_to_device)
+    loss.backward()
+    assert backend.plans[0].moved
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, expected[0][name]), name
+    assert torch.equal(xg.grad, expected[1])
+
+
+def _held_between_forward_and_backward(model, x) -> int:
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    loss = total(model(x.clone().requires_grad_()))
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before
+    loss.backward()
+    return held
+
+
+def test_offloaded_memory_is_released_between_forward_and_backward():
+    dims = dict(depth=4, dim=1024, heads=8)
+    x = torch.randn(2, 1024, 1024, device="cuda", dtype=torch.bfloat16)
+    baseline = torch.compile(_blocks(**dims).bfloat16(), backend=offload_pass.backend(fraction=0))
+    backend = offload_pass.backend(fraction=1.0)
+    offloaded = torch.compile(_blocks(**dims).bfloat16(), backend=backend)
+    for _ in range(2):
+        held_base = _held_between_forward_and_backward(baseline, x)
+        held_offload = _held_between_forward_and_backward(offloaded, x)
+    moved = backend.plans[0].bytes_moved
+    assert moved > 0
+    assert held_base - held_offload >= 0.9 * moved, (held_base, held_offload, moved)
+
+
+def _host_allocations() -> int:
+    stats = torch.cuda.host_memory_stats()
+    return stats.get("num_host_alloc", stats.get("allocations.allocated", 0))
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_no_pinned_allocation_after_warmup_and_flat_host_memory():
+    model = torch.compile(_blocks(), backend=offload_pass.backend(fraction=1.0, min_bytes=0))
+    x = torch.randn(2, 128, 256, device="cuda")
+    for _ in range(2):
+        _step(model, x)
+    torch.cuda.synchronize()
+    allocations = _host_allocations()
+    rss = []
+    for step in range(200):
+        _step(model, x)
+        if step in (19, 199):
+            torch.cuda.synchronize()
+            gc.collect()
+            rss.append(_rss_bytes())
+    assert _host_allocations() == allocations
+    assert rss[1] - rss[0] < 16 * 2**20, rss
+    assert offload_pass.counts().host_buffers == 0
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_interleaved_microbatches_on_gpu(fraction):
+    model = _blocks(depth=3)
+    plain = copy.deepcopy(model)
+    reference = torch.compile(plain)
+    batches = [torch.randn(2, 128, 256, device="cuda") for _ in range(2)]
+    expected_x = [_step(reference, x)[1] for x in batches]
+    for x in batches:  # accumulate the sequential reference's parameter grads
+        total(reference(x.clone().requires_grad_())).backward()
+
+    compiled = torch.compile(model, backend=offload_pass.backend(fraction=fraction, min_bytes=0))
+    inputs = [x.clone().requires_grad_() for x in batches]
+    losses = [total(compiled(x)) for x in inputs]
+    losses[1].backward()
+    losses[0].backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+    for x, expected in zip(inputs, expected_x, strict=True):
+        assert torch.equal(x.grad, expected)
