@@ -126,9 +126,10 @@ def _fixed_reason(
         return USER_OUTPUT
     if value.device.type not in ("cuda", "cpu"):
         return UNSUPPORTED_DEVICE
-    if _compat.concrete_int(value.numel()) is None:
+    numel = _compat.concrete_int(value.numel())
+    if numel is None:
         return NO_SIZE_HINT
-    if _compat.concrete_int(value.numel()) == 0:
+    if numel == 0:
         return EMPTY
     if not is_dense(value):
         return NON_DENSE
