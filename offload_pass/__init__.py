@@ -9,17 +9,22 @@ from offload_pass.backend import OffloadBackend, backend, default_backend, offlo
 from offload_pass.options import OffloadOptions, set_fraction
 from offload_pass.plan import Plan
 from offload_pass.planner import Decision, Placement
+from offload_pass.profiles import DeviceProfile
 from offload_pass.runtime import OffloadError, TransferCounts, counts
+from offload_pass.simulate import CopyPrediction, Prediction
 
 register_backend_name("offload", offload)
 
 __all__ = [
+    "CopyPrediction",
     "Decision",
+    "DeviceProfile",
     "OffloadBackend",
     "OffloadError",
     "OffloadOptions",
     "Placement",
     "Plan",
+    "Prediction",
     "TransferCounts",
     "backend",
     "counts",

@@ -145,3 +145,17 @@ def register_backend_name(name: str, compiler_fn: Callable[..., Any]) -> None:
 
     if name not in _BACKENDS or _BACKENDS[name] is None:
         register_backend(compiler_fn=compiler_fn, name=name)
+
+
+def flop_count(node: torch.fx.Node) -> int:
+    """FLOPs of one ATen node by torch's flop formulas on its fake values; 0 if none."""
+    from torch.utils.flop_counter import flop_registry
+
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return 0
+    formula = flop_registry.get(target.overloadpacket)
+    if formula is None:
+        return 0
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    return concrete_int(formula(*args, **kwargs, out_val=node.meta.get("val"))) or 0

@@ -59,6 +59,14 @@ class ChunkGraphs:
         outputs = self.forward.graph.output_node().args[0]
         return list(outputs[self.num_forward_outputs :])
 
+    def device(self) -> torch.device:
+        """The first accelerator any forward input lives on, else the CPU."""
+        for node in self.forward.graph.find_nodes(op="placeholder"):
+            value = node.meta.get("val")
+            if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+                return value.device
+        return torch.device("cpu")
+
     def user_outputs(self) -> list[torch.fx.Node]:
         outputs = self.forward.graph.output_node().args[0]
         return [n for n in outputs[: self.num_forward_outputs] if isinstance(n, torch.fx.Node)]
@@ -138,6 +146,14 @@ def _fixed_reason(
     return None
 
 
+def _op_name(node: torch.fx.Node) -> str:
+    if node.op != "call_function":
+        return node.op
+    if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+        return f"{_op_name(node.args[0])}[{node.args[1]}]"
+    return str(node.target)
+
+
 def _last_forward_use(root: torch.fx.Node, index: dict[torch.fx.Node, int]) -> int:
     uses = [index[u] for a in aliases(root) for u in a.users if u.op != "output"]
     return max([index[root], *uses])
@@ -164,7 +180,7 @@ def find_saved_groups(chunk: ChunkGraphs) -> tuple[SavedGroup, ...]:
                 root=root.name,
                 members=tuple(m.name for m in members),
                 module_stack=_compat.module_stack(root),
-                op=str(root.target) if root.op == "call_function" else root.op,
+                op=_op_name(root),
                 shape=tuple(_compat.concrete_int(s) or 0 for s in val.shape),
                 dtype=val.dtype,
                 nbytes=(numel or 0) * val.element_size(),

@@ -9,9 +9,10 @@ import torch
 import torch.fx
 
 from offload_pass import _compat
-from offload_pass.options import DEFAULT_MIN_BYTES, OffloadOptions
+from offload_pass.options import DEFAULT_MIN_BYTES, DEFAULT_STALL_TOLERANCE, OffloadOptions
 from offload_pass.partition import OffloadPartitioner
 from offload_pass.plan import Plan
+from offload_pass.profiles import DeviceProfile
 
 
 def _module_paths(gm: torch.fx.GraphModule) -> set[str]:
@@ -46,20 +47,37 @@ class OffloadBackend:
 
 def backend(
     *,
-    fraction: float | Mapping[str, float] = 1.0,
+    fraction: float | Mapping[str, float] | None = None,
+    memory_budget: int | float | None = None,
+    stall_tolerance: float = DEFAULT_STALL_TOLERANCE,
+    profile: DeviceProfile | str | None = None,
     min_bytes: int = DEFAULT_MIN_BYTES,
     compiler: str = "inductor",
 ) -> OffloadBackend:
     """A torch.compile backend that offloads saved activations to pinned host memory.
 
+    With neither ``fraction`` nor ``memory_budget`` the planner runs in ``auto`` mode: it
+    moves every activation whose copies its cost model predicts will hide under compute,
+    within ``stall_tolerance`` of the step time.
+
     Args:
         fraction: share of each module's candidate activation bytes to move, in [0, 1];
             or a mapping from module-path patterns (``"blocks.*.attn"``, relative to the
-            module given to ``torch.compile``) to shares, the innermost match deciding.
+            module given to ``torch.compile``) to shares, the last listed match deciding.
+        memory_budget: the predicted peak to get under, per compiled chunk: bytes (int),
+            or a share in (0, 1] of the predicted peak without offloading (float).
+        stall_tolerance: in ``auto`` mode, the share of the step that waiting on copies
+            may add, in [0, 1].
+        profile: the device rates to plan with: a :class:`DeviceProfile`, a built-in
+            name (``"h200"``, ``"h100"``, ``"a100"``, ``"cpu"``), ``"calibrate"`` to
+            measure the CUDA device once per process, or None to pick by device name.
         min_bytes: activations smaller than this stay on the device.
         compiler: ``"inductor"``, or ``"eager"`` to run the rewritten graphs unfused.
     """
-    return OffloadBackend(OffloadOptions.create(fraction, min_bytes, compiler))
+    options = OffloadOptions.create(
+        fraction, memory_budget, stall_tolerance, profile, min_bytes, compiler
+    )
+    return OffloadBackend(options)
 
 
 default_backend = OffloadBackend(OffloadOptions())

@@ -10,9 +10,12 @@ from typing import Literal
 
 import torch
 
+from offload_pass.profiles import DeviceProfile, check_profile_spec
+
 Compiler = Literal["inductor", "eager"]
 COMPILERS: tuple[str, ...] = ("inductor", "eager")
 DEFAULT_MIN_BYTES = 256 * 1024
+DEFAULT_STALL_TOLERANCE = 0.02
 
 
 def check_fraction(value: object, what: str = "fraction") -> float:
@@ -27,38 +30,63 @@ def check_fraction(value: object, what: str = "fraction") -> float:
 class OffloadOptions:
     """What the user asked for, validated.
 
-    ``fraction`` is either one share for every module or a mapping from module-path
-    patterns (``fnmatch`` syntax, e.g. ``"blocks.*.attn"``) to shares. A pattern covers
-    the modules it matches and everything inside them; where several cover a module, the
-    one listed last wins. With a mapping, what no pattern covers moves nothing; list
-    ``"*"`` first to give the rest a share.
+    The planner mode: ``fraction`` (one share for every module, or a mapping from
+    module-path patterns in ``fnmatch`` syntax such as ``"blocks.*.attn"`` to shares),
+    else ``memory_budget`` (bytes, or a share of the predicted peak without offloading),
+    else ``auto``. With a mapping, a pattern covers the modules it matches and everything
+    inside them; where several cover a module, the one listed last wins, and what no
+    pattern covers moves nothing (list ``"*"`` first to give the rest a share).
     """
 
-    default_fraction: float = 1.0
+    default_fraction: float | None = None
     patterns: tuple[tuple[str, float], ...] = ()
+    memory_budget: int | float | None = None
+    stall_tolerance: float = DEFAULT_STALL_TOLERANCE
+    profile: DeviceProfile | str | None = None
     min_bytes: int = DEFAULT_MIN_BYTES
     compiler: Compiler = "inductor"
 
     @classmethod
     def create(
         cls,
-        fraction: float | Mapping[str, float] = 1.0,
+        fraction: float | Mapping[str, float] | None = None,
+        memory_budget: int | float | None = None,
+        stall_tolerance: float = DEFAULT_STALL_TOLERANCE,
+        profile: DeviceProfile | str | None = None,
         min_bytes: int = DEFAULT_MIN_BYTES,
         compiler: str = "inductor",
     ) -> OffloadOptions:
+        if fraction is not None and memory_budget is not None:
+            raise ValueError("give either fraction or memory_budget, not both")
+        patterns: tuple[tuple[str, float], ...] = ()
+        default: float | None = None
         if isinstance(fraction, Mapping):
             patterns = tuple(
                 (_check_pattern(p), check_fraction(f, f"fraction[{p!r}]"))
                 for p, f in fraction.items()
             )
             default = 0.0
-        else:
-            patterns, default = (), check_fraction(fraction)
+        elif fraction is not None:
+            default = check_fraction(fraction)
         if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
             raise ValueError(f"min_bytes must be a non-negative int, got {min_bytes!r}")
         if compiler not in COMPILERS:
             raise ValueError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
-        return cls(default, patterns, min_bytes, compiler)  # type: ignore[arg-type]
+        return cls(
+            default,
+            patterns,
+            _check_budget(memory_budget),
+            check_fraction(stall_tolerance, "stall_tolerance"),
+            check_profile_spec(profile),
+            min_bytes,
+            compiler,  # type: ignore[arg-type]
+        )
+
+    @property
+    def mode(self) -> str:
+        if self.default_fraction is not None:
+            return "fraction"
+        return "auto" if self.memory_budget is None else "memory_budget"
 
     def check_patterns_match(self, module_paths: Iterable[str]) -> None:
         paths = list(module_paths)
@@ -69,6 +97,21 @@ class OffloadOptions:
                     f"fraction pattern {pattern!r} matches no module of the compiled "
                     f"model (module paths look like {example})"
                 )
+
+
+def _check_budget(budget: object) -> int | float | None:
+    if budget is None:
+        return None
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise TypeError(f"memory_budget must be bytes (int) or a share (float), got {budget!r}")
+    if isinstance(budget, int) and budget <= 0:
+        raise ValueError(f"memory_budget in bytes must be positive, got {budget!r}")
+    if isinstance(budget, float) and not 0.0 < budget <= 1.0:
+        raise ValueError(
+            f"memory_budget as a share of the peak without offloading must be in (0, 1], "
+            f"got {budget!r}"
+        )
+    return budget
 
 
 def _check_pattern(pattern: object) -> str:
@@ -102,7 +145,7 @@ def fraction_overrides() -> dict[int, float]:
 class FractionRule:
     """The options and :func:`set_fraction` overrides in force when a chunk compiles."""
 
-    default: float
+    default: float | None
     patterns: tuple[tuple[str, float], ...]
     overrides: tuple[tuple[int, float], ...]
 
@@ -114,8 +157,9 @@ class FractionRule:
             tuple(sorted(fraction_overrides().items())),
         )
 
-    def resolve(self, stack: tuple[tuple[str, int | None], ...]) -> tuple[str, float]:
-        """(the module whose share applies, the share) for a node's module stack.
+    def resolve(self, stack: tuple[tuple[str, int | None], ...]) -> tuple[str, float | None]:
+        """(the module whose share applies, the share) for a node's module stack; the
+        share is None where the planner's mode (auto or memory budget) decides.
 
         A :func:`set_fraction` override decides first, the innermost one if several;
         then the pattern listed last among those covering a module in the stack, owned by

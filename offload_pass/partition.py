@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -9,19 +10,37 @@ import torch.fx
 
 from offload_pass import _compat
 from offload_pass.analysis import ChunkGraphs, find_saved_groups
+from offload_pass.costs import estimate_costs
 from offload_pass.options import FractionRule, OffloadOptions
 from offload_pass.plan import Plan
-from offload_pass.planner import choose_groups, place_transfers
+from offload_pass.planner import Request, placements, plan_offloads
+from offload_pass.profiles import profile_for
 from offload_pass.rewrite import insert_transfers
 
 
 def offload_chunk(chunk: ChunkGraphs, options: OffloadOptions, name: str) -> Plan:
     groups = find_saved_groups(chunk)
-    decisions = choose_groups(groups, FractionRule.current(options), options.min_bytes)
-    moved = [d.group for d in decisions if d.moved]
-    placements = place_transfers(moved, chunk.forward.graph, chunk.backward.graph)
-    insert_transfers(chunk, moved, placements)
-    return Plan(name, decisions, placements, chunk.forward, chunk.backward)
+    profile = profile_for(options.profile, chunk.device())
+    costs = estimate_costs(chunk, profile)
+    rule = FractionRule.current(options)
+    request = Request(
+        owners={g.root: rule.resolve(g.module_stack) for g in groups},
+        min_bytes=options.min_bytes,
+        stall_tolerance=options.stall_tolerance,
+        memory_budget=options.memory_budget,
+    )
+    planned = plan_offloads(groups, costs, request)
+    if planned.budget_shortfall:
+        warnings.warn(
+            f"offload_pass: {name} cannot meet memory_budget={planned.budget_bytes:,} bytes; "
+            f"moving every candidate, its predicted peak is {planned.budget_shortfall:,} "
+            "bytes over",
+            stacklevel=2,
+        )
+    moved = [d.group for d in planned.decisions if d.moved]
+    placed = placements(planned.transfers, chunk.forward.graph, chunk.backward.graph)
+    insert_transfers(chunk, moved, placed)
+    return Plan(name, profile, planned, placed, chunk.forward, chunk.backward)
 
 
 class OffloadPartitioner(_compat.PartitionerBase):

@@ -1,30 +1,39 @@
-"""The record of what the pass did to one compiled chunk."""
+"""The record of what the pass did to one compiled chunk, and what it predicts."""
 
 from __future__ import annotations
 
 import dataclasses
 
-import tabulate
 import torch.fx
 
-from offload_pass.planner import Decision, Placement
-
-HEADERS = ("name", "module", "op", "shape", "dtype", "bytes", "decision", "reason")
+from offload_pass.planner import ChunkPlan, Decision, Placement
+from offload_pass.profiles import DeviceProfile
+from offload_pass.simulate import CopyPrediction, Prediction
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """One chunk's decisions and its rewritten graphs.
+    """One chunk's decisions, placements, prediction and rewritten graphs.
 
     ``forward`` and ``backward`` are the graphs as rewritten, before the compiler
     lowers them; ``print(plan.forward.code)`` shows every offload, wait and reload.
+    ``print(plan)`` shows the report (see :mod:`offload_pass.report`).
     """
 
     chunk: str
-    decisions: tuple[Decision, ...]
+    profile: DeviceProfile
+    planned: ChunkPlan
     placements: tuple[Placement, ...]
     forward: torch.fx.GraphModule
     backward: torch.fx.GraphModule
+
+    @property
+    def decisions(self) -> tuple[Decision, ...]:
+        return self.planned.decisions
+
+    @property
+    def prediction(self) -> Prediction:
+        return self.planned.prediction
 
     @property
     def moved(self) -> tuple[Decision, ...]:
@@ -38,25 +47,10 @@ class Plan:
     def bytes_saved_for_backward(self) -> int:
         return sum(d.group.nbytes for d in self.decisions)
 
-    def rows(self) -> list[tuple[object, ...]]:
-        return [
-            (
-                d.group.root,
-                d.group.module_path or "<root>",
-                d.group.op,
-                "x".join(map(str, d.group.shape)),
-                str(d.group.dtype).removeprefix("torch."),
-                d.group.nbytes,
-                "moved" if d.moved else "kept",
-                d.reason if not d.moved else f"{d.fraction_owner or '<root>'}: {d.fraction:g}",
-            )
-            for d in self.decisions
-        ]
+    def copy_of(self, root: str) -> CopyPrediction | None:
+        return next((c for c in self.prediction.copies if c.root == root), None)
 
     def __str__(self) -> str:
-        table = tabulate.tabulate(self.rows(), headers=HEADERS, intfmt=",")
-        return (
-            f"offload plan for {self.chunk}: {len(self.moved)} of "
-            f"{len(self.decisions)} saved storages moved, {self.bytes_moved:,} of "
-            f"{self.bytes_saved_for_backward:,} bytes\n{table}"
-        )
+        from offload_pass.report import format_plan
+
+        return format_plan(self)

@@ -1,40 +1,53 @@
-"""Plan: decide which saved groups move, and where each transfer op goes.
+"""Plan: choose which saved storages move, and place every transfer op.
 
-Selection here is by fraction of each module's candidate bytes, earliest-produced first
-(those have the longest forward to hide their copy in and are needed last in backward).
+Selection, per chunk:
+- a share (``fraction``, a pattern or ``set_fraction``) moves up to that share of its
+  module's candidate bytes, the candidates with the longest overlap window first;
+- ``auto`` moves what hides: forward's copies in production order while the
+  device-to-host queue finishes by the end of forward, then backward's reloads, latest
+  needed first, while the host-to-device queue can bring each back before its first use;
+  together within ``stall_tolerance`` of the step;
+- ``memory_budget`` moves the fewest candidates, those ``auto`` would move first, that
+  bring the predicted peak under the budget.
 
-Placement pipelines the copies one ahead on each queue:
-- offload ``i`` right after its storage is produced;
-- offload_wait ``i`` after the later of its last forward use and the point where
-  offload ``i+1`` is issued, so the compute between two offloads hides a copy and at
-  most two copies are outstanding; the last one waits just before forward returns;
-- reloads in order of first backward use; reload ``k+1`` is issued where reload ``k``
-  is first needed, so one reload is in flight while backward computes;
-- reload_wait ``k`` right before the first backward use.
+Placement: each offload right after its producer; its wait at the first node by which the
+copy is predicted complete (and not before the last forward use); reloads as late as they
+can start and still finish before first use, in first-use order. Placement prices copies
+``PLACEMENT_MARGIN`` times slower than predicted so small errors do not stall.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 import torch.fx
 
 from offload_pass.analysis import SavedGroup
-from offload_pass.options import FractionRule
+from offload_pass.costs import ChunkCosts
+from offload_pass.simulate import Prediction, Transfer, peak_bytes, simulate
+
+PLACEMENT_MARGIN = 1.05
 
 MOVED = "moved"
 TOO_SMALL = "too small"
 FRACTION_REACHED = "fraction reached"
+WOULD_NOT_HIDE = "would not hide"
+BUDGET_MET = "budget met"
 
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
+    """Whether ``group`` moves and why. ``share`` is the fraction that applied, or None
+    where the chunk's planner mode (auto or memory budget) decided."""
+
     group: SavedGroup
     moved: bool
     reason: str
-    fraction_owner: str
-    fraction: float
+    owner: str
+    share: float | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,67 +55,228 @@ class Placement:
     """Where the four ops of one moved group go, by node name.
 
     Forward: offload after ``offload_after``, offload_wait after ``wait_after``.
-    Backward: reload before ``reload_before`` (``None``: right after the inputs),
-    reload_wait before ``first_use``.
+    Backward: reload before ``reload_before``, reload_wait before ``first_use``.
     """
 
     root: str
     offload_after: str
     wait_after: str
-    reload_before: str | None
+    reload_before: str
     first_use: str
 
 
-def choose_groups(
-    groups: Sequence[SavedGroup], rule: FractionRule, min_bytes: int
-) -> tuple[Decision, ...]:
-    owners = {g.root: rule.resolve(g.module_stack) for g in groups}
-    movable = [g for g in groups if g.fixed_reason is None and g.nbytes >= min_bytes]
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What the planner is asked for, per chunk: each candidate's owner and share (None:
+    the mode decides), and the mode's settings."""
+
+    owners: dict[str, tuple[str, float | None]]
+    min_bytes: int
+    stall_tolerance: float
+    memory_budget: int | float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkPlan:
+    decisions: tuple[Decision, ...]
+    transfers: tuple[Transfer, ...]
+    prediction: Prediction
+    budget_bytes: int | None
+
+    @property
+    def budget_shortfall(self) -> int:
+        """Predicted bytes over the memory budget (0 when met or when there is none)."""
+        if self.budget_bytes is None:
+            return 0
+        return max(0, self.prediction.peak_bytes - self.budget_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Clocks:
+    """Compute times without stalls: forward node ends, backward node starts."""
+
+    forward_end: tuple[float, ...]
+    backward_start: tuple[float, ...]
+    first_backward_compute: int
+
+    @classmethod
+    def of(cls, costs: ChunkCosts) -> _Clocks:
+        return cls(
+            tuple(itertools.accumulate(costs.forward_seconds)),
+            tuple(itertools.accumulate(costs.backward_seconds, initial=0.0))[:-1],
+            costs.backward_inputs,
+        )
+
+    @property
+    def forward_seconds(self) -> float:
+        return self.forward_end[-1] if self.forward_end else 0.0
+
+    def window(self, g: SavedGroup) -> float:
+        """How long its copies have: rest of forward, and backward before first use."""
+        return min(
+            self.forward_seconds - self.forward_end[g.produced_at],
+            self.backward_start[g.first_backward_use],
+        )
+
+
+def place(groups: Sequence[SavedGroup], costs: ChunkCosts, clocks: _Clocks) -> list[Transfer]:
+    last_forward = len(clocks.forward_end) - 2
+    queue_free = 0.0
+    wait_at = {}
+    for g in sorted(groups, key=lambda g: g.produced_at):
+        start = max(clocks.forward_end[g.produced_at], queue_free)
+        queue_free = start + PLACEMENT_MARGIN * costs.offload_seconds(g.nbytes)
+        done = bisect.bisect_left(clocks.forward_end, queue_free, lo=g.last_forward_use)
+        wait_at[g.root] = min(done, last_forward)
+
+    chain = float("inf")
+    reload_at = {}
+    for g in sorted(groups, key=lambda g: (-g.first_backward_use, -g.produced_at)):
+        chain = min(chain, clocks.backward_start[g.first_backward_use])
+        chain -= PLACEMENT_MARGIN * costs.reload_seconds(g.nbytes)
+        issue = bisect.bisect_right(clocks.backward_start, chain) - 1
+        reload_at[g.root] = min(max(issue, clocks.first_backward_compute), g.first_backward_use)
+
+    return [
+        Transfer(
+            g.root,
+            g.nbytes,
+            g.produced_at,
+            wait_at[g.root],
+            reload_at[g.root],
+            g.first_backward_use,
+        )
+        for g in sorted(groups, key=lambda g: g.produced_at)
+    ]
+
+
+def _hides(
+    candidates: Sequence[SavedGroup],
+    forced: Sequence[SavedGroup],
+    costs: ChunkCosts,
+    clocks: _Clocks,
+    tolerance: float,
+) -> set[str]:
+    """The candidates ``auto`` moves alongside ``forced``, whose copies hide."""
+    if not costs.profile.copies_overlap_compute:
+        return set()
+    allowance = tolerance * (sum(costs.forward_seconds) + sum(costs.backward_seconds))
+    forced_roots = {g.root for g in forced}
+    queue_free = 0.0
+    forward_ok = []
+    for g in sorted([*candidates, *forced], key=lambda g: g.produced_at):
+        start = max(clocks.forward_end[g.produced_at], queue_free)
+        end = start + PLACEMENT_MARGIN * costs.offload_seconds(g.nbytes)
+        if g.root in forced_roots or end <= clocks.forward_seconds + allowance:
+            queue_free = end
+            forward_ok.append(g)
+    allowance -= max(0.0, queue_free - clocks.forward_seconds)
+
+    chain = float("inf")
+    hidden = set()
+    for g in sorted(forward_ok, key=lambda g: (-g.first_backward_use, -g.produced_at)):
+        start = min(chain, clocks.backward_start[g.first_backward_use])
+        start -= PLACEMENT_MARGIN * costs.reload_seconds(g.nbytes)
+        if g.root in forced_roots or start >= -allowance:
+            chain = start
+            hidden.add(g.root)
+    return hidden - forced_roots
+
+
+def _by_share(candidates: Sequence[SavedGroup], request: Request, clocks: _Clocks) -> set[str]:
     totals: dict[str, int] = {}
-    for g in movable:
-        totals[owners[g.root][0]] = totals.get(owners[g.root][0], 0) + g.nbytes
-    taken: dict[str, int] = dict.fromkeys(totals, 0)
+    for g in candidates:
+        owner = request.owners[g.root][0]
+        totals[owner] = totals.get(owner, 0) + g.nbytes
+    taken = dict.fromkeys(totals, 0)
+    chosen = set()
+    for g in sorted(candidates, key=lambda g: (-clocks.window(g), g.produced_at)):
+        owner, share = request.owners[g.root]
+        if taken[owner] + g.nbytes <= share * totals[owner]:
+            taken[owner] += g.nbytes
+            chosen.add(g.root)
+    return chosen
 
-    decisions = []
-    for g in groups:
-        owner, share = owners[g.root]
-        if g.fixed_reason is not None:
-            moved, reason = False, g.fixed_reason
-        elif g.nbytes < min_bytes:
-            moved, reason = False, TOO_SMALL
+
+def _within_budget(
+    ranked: Sequence[SavedGroup],
+    forced: Sequence[SavedGroup],
+    costs: ChunkCosts,
+    clocks: _Clocks,
+    budget: int,
+) -> set[str]:
+    """The shortest prefix of ``ranked`` that, with ``forced``, meets the budget (all of
+    ``ranked`` if none does)."""
+
+    def peak(count: int) -> int:
+        return peak_bytes(costs, place([*forced, *ranked[:count]], costs, clocks))
+
+    low, high = 0, len(ranked)
+    while low < high:
+        middle = (low + high) // 2
+        if peak(middle) <= budget:
+            high = middle
         else:
-            moved = taken[owner] + g.nbytes <= share * totals[owner]
-            taken[owner] += g.nbytes if moved else 0
-            reason = MOVED if moved else FRACTION_REACHED
-        decisions.append(Decision(g, moved, reason, owner, share))
-    return tuple(decisions)
+            low = middle + 1
+    return {g.root for g in ranked[:low]}
 
 
-def place_transfers(
-    moved: Sequence[SavedGroup],
-    forward: torch.fx.Graph,
-    backward: torch.fx.Graph,
+def _budget_bytes(request: Request, costs: ChunkCosts) -> int | None:
+    budget = request.memory_budget
+    if budget is None or isinstance(budget, int):
+        return budget
+    return int(budget * peak_bytes(costs, ()))
+
+
+def plan_offloads(groups: Sequence[SavedGroup], costs: ChunkCosts, request: Request) -> ChunkPlan:
+    clocks = _Clocks.of(costs)
+    candidates = [g for g in groups if g.fixed_reason is None and g.nbytes >= request.min_bytes]
+    shared = [g for g in candidates if request.owners[g.root][1] is not None]
+    by_mode = [g for g in candidates if request.owners[g.root][1] is None]
+    chosen = _by_share(shared, request, clocks)
+    forced = [g for g in shared if g.root in chosen]
+    hidden = _hides(by_mode, forced, costs, clocks, request.stall_tolerance)
+    budget = _budget_bytes(request, costs)
+    if budget is None:
+        chosen |= hidden
+        unchosen_reason = WOULD_NOT_HIDE
+    else:
+        ranked = sorted(by_mode, key=lambda g: (g.root not in hidden, -clocks.window(g)))
+        chosen |= _within_budget(ranked, forced, costs, clocks, budget)
+        unchosen_reason = BUDGET_MET
+
+    moved = [g for g in groups if g.root in chosen]
+    transfers = tuple(place(moved, costs, clocks))
+    decisions = tuple(_decide(g, chosen, request, unchosen_reason) for g in groups)
+    return ChunkPlan(decisions, transfers, simulate(costs, transfers), budget)
+
+
+def _decide(g: SavedGroup, chosen: set[str], request: Request, unchosen: str) -> Decision:
+    owner, share = request.owners[g.root]
+    if g.fixed_reason is not None:
+        reason = g.fixed_reason
+    elif g.nbytes < request.min_bytes:
+        reason = TOO_SMALL
+    elif g.root in chosen:
+        reason = MOVED
+    else:
+        reason = FRACTION_REACHED if share is not None else unchosen
+    return Decision(g, g.root in chosen, reason, owner, share)
+
+
+def placements(
+    transfers: Sequence[Transfer], forward: torch.fx.Graph, backward: torch.fx.Graph
 ) -> tuple[Placement, ...]:
-    fw_nodes = list(forward.nodes)
-    bw_nodes = list(backward.nodes)
-    last_compute = len(fw_nodes) - 2  # the node before the output
-    by_production = sorted(moved, key=lambda g: g.produced_at)
-    wait_index = {
-        g.root: max(g.last_forward_use, nxt.produced_at)
-        for g, nxt in zip(by_production, by_production[1:], strict=False)
-    }
-    by_first_use = sorted(moved, key=lambda g: (g.first_backward_use, g.produced_at))
-    reload_before = {
-        g.root: (None if prev is None else bw_nodes[prev.first_backward_use].name)
-        for prev, g in zip([None, *by_first_use], by_first_use, strict=False)
-    }
+    """The transfers' positions as node names, for the rewrite."""
+    fw = list(forward.nodes)
+    bw = list(backward.nodes)
     return tuple(
         Placement(
-            root=g.root,
-            offload_after=g.root,
-            wait_after=fw_nodes[wait_index.get(g.root, last_compute)].name,
-            reload_before=reload_before[g.root],
-            first_use=bw_nodes[g.first_backward_use].name,
+            t.root,
+            fw[t.offload_at].name,
+            fw[t.wait_at].name,
+            bw[t.reload_at].name,
+            bw[t.need_at].name,
         )
-        for g in by_production
+        for t in transfers
     )

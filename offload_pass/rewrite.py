@@ -90,14 +90,12 @@ def rewrite_backward(
         host_input.meta["val"] = host[p.root].meta["val"]
         host_inputs[p.root] = host_input
 
-    after_inputs = next(n for n in graph.nodes if n.op != "placeholder")
     position = {name: i for i, name in enumerate(nodes)}
     by_first_use = sorted(placements, key=lambda p: position[p.first_use])
     for p in by_first_use:
         root = fw_nodes[p.root]
         device = root.meta["val"].device
-        reload_point = nodes[p.reload_before] if p.reload_before else after_inputs
-        with graph.inserting_before(reload_point):
+        with graph.inserting_before(nodes[p.reload_before]):
             loaded = _add_node(graph, ops.RELOAD, (host_inputs[p.root], device), root)
         with graph.inserting_before(nodes[p.first_use]):
             _add_node(graph, ops.RELOAD_WAIT, (loaded,), root)

@@ -1,0 +1,122 @@
+"""Cost model: what each node of a chunk takes in time, and when its memory is held.
+
+A node's duration is the larger of its FLOPs over the device's matrix rate and the bytes
+it reads and writes over the memory bandwidth. Memory is tracked per storage: allocated
+where it is produced, freed after its last use in forward or backward; the chunk's inputs
+(parameters, the batch) are resident throughout and backward's outputs (gradients) are
+kept to the end. Positions run over forward's nodes, then backward's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import operator
+
+import torch
+import torch.fx
+
+from offload_pass import _compat
+from offload_pass.analysis import ChunkGraphs, is_view, storage_root
+from offload_pass.profiles import DeviceProfile
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkCosts:
+    """Per position: seconds of each forward and backward node; bytes ``allocated`` when
+    it runs and ``freed`` after it. ``backward_inputs``: backward's leading placeholders."""
+
+    profile: DeviceProfile
+    forward_seconds: tuple[float, ...]
+    backward_seconds: tuple[float, ...]
+    resident_bytes: int
+    allocated: tuple[int, ...]
+    freed: tuple[int, ...]
+    backward_inputs: int
+
+    @property
+    def num_forward(self) -> int:
+        return len(self.forward_seconds)
+
+    def offload_seconds(self, nbytes: int) -> float:
+        return nbytes / self.profile.device_to_host
+
+    def reload_seconds(self, nbytes: int) -> float:
+        return nbytes / self.profile.host_to_device
+
+
+def tensor_bytes(value: object) -> int:
+    if not isinstance(value, torch.Tensor):
+        return 0
+    return (_compat.concrete_int(value.numel()) or 0) * value.element_size()
+
+
+def node_seconds(node: torch.fx.Node, profile: DeviceProfile) -> float:
+    if node.op != "call_function" or node.target is operator.getitem or is_view(node):
+        return 0.0
+    value = node.meta.get("val")
+    traffic = sum(tensor_bytes(arg.meta.get("val")) for arg in node.all_input_nodes)
+    traffic += sum(tensor_bytes(v) for v in _values(value))
+    flops = _compat.flop_count(node)
+    dtype = next((v.dtype for v in _values(value)), torch.float32)
+    return max(flops / profile.matrix_rate(dtype), traffic / profile.memory_bandwidth)
+
+
+def _values(value: object) -> list[torch.Tensor]:
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    return [v for v in values if isinstance(v, torch.Tensor)]
+
+
+def estimate_costs(chunk: ChunkGraphs, profile: DeviceProfile) -> ChunkCosts:
+    forward = list(chunk.forward.graph.nodes)
+    backward = list(chunk.backward.graph.nodes)
+    allocated, freed = _memory_events(chunk, forward, backward)
+    return ChunkCosts(
+        profile=profile,
+        forward_seconds=tuple(node_seconds(n, profile) for n in forward),
+        backward_seconds=tuple(node_seconds(n, profile) for n in backward),
+        resident_bytes=sum(
+            tensor_bytes(n.meta.get("val")) for n in forward if n.op == "placeholder"
+        ),
+        allocated=allocated,
+        freed=freed,
+        backward_inputs=sum(n.op == "placeholder" for n in backward),
+    )
+
+
+def _memory_events(
+    chunk: ChunkGraphs, forward: list[torch.fx.Node], backward: list[torch.fx.Node]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Bytes allocated at each position, and bytes freed after it."""
+    saved = {n.name: n for n in chunk.saved_values() if isinstance(n, torch.fx.Node)}
+    position = {n: i for i, n in enumerate(itertools.chain(forward, backward))}
+    end = len(position) - 1
+    user_outputs = set(chunk.user_outputs())
+
+    def storage(node: torch.fx.Node) -> torch.fx.Node | None:
+        root = storage_root(node)
+        if root.op == "placeholder" and root in position and position[root] >= len(forward):
+            root = storage_root(saved[root.name]) if root.name in saved else root
+        return None if root.op == "placeholder" and position[root] < len(forward) else root
+
+    start: dict[torch.fx.Node, int] = {}
+    last_use: dict[torch.fx.Node, int] = {}
+    for node in itertools.chain(forward, backward):
+        root = storage(node)
+        if root is not None and root is node:
+            start[node] = position[node]
+        for arg in node.all_input_nodes:
+            used = storage(arg)
+            if used is None:
+                continue
+            kept = node.op == "output" and (node is backward[-1] or arg in user_outputs)
+            if node.op != "output" or kept:
+                last_use[used] = max(last_use.get(used, 0), end if kept else position[node])
+
+    allocated = [0] * len(position)
+    freed = [0] * len(position)
+    for root, at in start.items():
+        nbytes = tensor_bytes(root.meta.get("val"))
+        allocated[at] += nbytes
+        freed[max(at, last_use.get(root, at))] += nbytes
+    return tuple(allocated), tuple(freed)

@@ -1,0 +1,140 @@
+"""Reports: one table row per saved storage, with totals and the prediction, per chunk
+and for a whole model."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import tabulate
+
+from offload_pass import analysis, planner
+from offload_pass.plan import Plan
+
+HEADERS = ("name", "module", "op", "shape", "dtype", "size", "decision", "reason", "copy", "hidden")
+
+
+def format_bytes(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if abs(nbytes) < 1024:
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.2f} GiB"
+
+
+def format_seconds(seconds: float) -> str:
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.1f} us"
+
+
+REASONS: dict[str, str] = {
+    planner.MOVED: "moves to host memory",
+    planner.TOO_SMALL: "fewer bytes than min_bytes",
+    planner.FRACTION_REACHED: "moving it would exceed its module's share",
+    planner.WOULD_NOT_HIDE: "auto: its copy would not finish under compute",
+    planner.BUDGET_MET: "memory_budget: the peak is under the budget without it",
+    analysis.INPUT_ALIAS: "the storage belongs to a graph input (parameter, batch)",
+    analysis.USER_OUTPUT: "the caller holds it anyway",
+    analysis.NON_DENSE: "its elements do not fill its storage span",
+    analysis.NOT_REPLAYABLE: "a view on it takes symbolic arguments",
+    analysis.NO_SIZE_HINT: "its size has no hint",
+    analysis.EMPTY: "zero elements",
+    analysis.UNSUPPORTED_DEVICE: "neither CUDA nor CPU",
+    analysis.NOT_IN_BACKWARD: "backward does not read it",
+}
+"""Every reason a decision can carry, with what it means."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    name: str
+    module: str
+    op: str
+    shape: str
+    dtype: str
+    nbytes: int
+    moved: bool
+    reason: str
+    copy_seconds: float | None
+    hidden_share: float | None
+
+    def cells(self) -> tuple[object, ...]:
+        return (
+            self.name,
+            self.module,
+            self.op,
+            self.shape,
+            self.dtype,
+            format_bytes(self.nbytes),
+            "moved" if self.moved else "kept",
+            self.reason,
+            "" if self.copy_seconds is None else format_seconds(self.copy_seconds),
+            "" if self.hidden_share is None else f"{self.hidden_share:.0%}",
+        )
+
+
+def plan_rows(plan: Plan) -> list[Row]:
+    rows = []
+    for d in plan.decisions:
+        copy = plan.copy_of(d.group.root)
+        rows.append(
+            Row(
+                name=d.group.root,
+                module=d.group.module_path or "<root>",
+                op=d.group.op,
+                shape="x".join(map(str, d.group.shape)),
+                dtype=str(d.group.dtype).removeprefix("torch."),
+                nbytes=d.group.nbytes,
+                moved=d.moved,
+                reason=_reason(d),
+                copy_seconds=None if copy is None else copy.copy_seconds,
+                hidden_share=None if copy is None else copy.hidden_share,
+            )
+        )
+    return rows
+
+
+def _reason(d: planner.Decision) -> str:
+    if d.moved and d.share is not None:
+        return f"{d.reason} ({d.owner or '<root>'}: fraction {d.share:g})"
+    return d.reason
+
+
+def summary(plan: Plan) -> str:
+    p = plan.prediction
+    lines = [
+        f"offload plan for {plan.chunk} ({plan.profile.name}): {len(plan.moved)} of "
+        f"{len(plan.decisions)} saved storages moved, {format_bytes(plan.bytes_moved)} of "
+        f"{format_bytes(plan.bytes_saved_for_backward)}",
+        f"predicted peak {format_bytes(p.baseline_peak_bytes)} -> {format_bytes(p.peak_bytes)}; "
+        f"step {format_seconds(p.baseline_seconds)} -> {format_seconds(p.step_seconds)} "
+        f"(stall {format_seconds(p.stall_seconds)})",
+    ]
+    if plan.planned.budget_bytes is not None:
+        shortfall = plan.planned.budget_shortfall
+        met = "met" if not shortfall else f"missed by {format_bytes(shortfall)}"
+        lines.append(f"memory budget {format_bytes(plan.planned.budget_bytes)}: {met}")
+    return "\n".join(lines)
+
+
+def format_plan(plan: Plan) -> str:
+    table = tabulate.tabulate(
+        [r.cells() for r in plan_rows(plan)], headers=HEADERS, disable_numparse=True
+    )
+    return f"{summary(plan)}\n{table}"
+
+
+def format_model(plans: Sequence[Plan]) -> str:
+    """Every chunk's report, then the model's totals (chunks run one after another)."""
+    moved = sum(p.bytes_moved for p in plans)
+    saved = sum(p.bytes_saved_for_backward for p in plans)
+    base = sum(p.prediction.baseline_seconds for p in plans)
+    step = sum(p.prediction.step_seconds for p in plans)
+    stall = sum(p.prediction.stall_seconds for p in plans)
+    totals = (
+        f"model: {len(plans)} chunks, {format_bytes(moved)} of {format_bytes(saved)} of saved "
+        f"activations moved; predicted step {format_seconds(base)} -> {format_seconds(step)} "
+        f"(stall {format_seconds(stall)})"
+    )
+    return "\n\n".join([*(format_plan(p) for p in plans), totals])

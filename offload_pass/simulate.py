@@ -1,0 +1,176 @@
+"""Simulate one step of a chunk under a set of transfers: the compute stream, the two copy
+queues, and the device memory timeline.
+
+Each copy queue is one FIFO stream. An offload starts when both its producer has run and
+the device-to-host queue is free; a reload when it is issued, the host-to-device queue is
+free and its offload has finished. The compute stream stalls at a wait whose copy has not
+finished. Where copies do not overlap compute (CPU) each copy stalls compute for its whole
+duration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import defaultdict
+from collections.abc import Sequence
+
+from offload_pass.costs import ChunkCosts
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """One moved storage, by position: offload after forward node ``offload_at``,
+    offload_wait after forward node ``wait_at``, reload before backward node ``reload_at``,
+    reload_wait before backward node ``need_at``."""
+
+    root: str
+    nbytes: int
+    offload_at: int
+    wait_at: int
+    reload_at: int
+    need_at: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyPrediction:
+    """Times in seconds from the start of forward."""
+
+    root: str
+    nbytes: int
+    offload_start: float
+    offload_end: float
+    reload_start: float
+    reload_end: float
+    stall: float
+
+    @property
+    def copy_seconds(self) -> float:
+        return self.offload_end - self.offload_start + self.reload_end - self.reload_start
+
+    @property
+    def hidden_share(self) -> float:
+        """The share of this storage's copy time that compute did not wait for."""
+        if self.copy_seconds <= 0:
+            return 1.0
+        return max(0.0, 1.0 - self.stall / self.copy_seconds)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    forward_seconds: float
+    backward_seconds: float
+    stall_seconds: float
+    peak_bytes: int
+    baseline_seconds: float
+    baseline_peak_bytes: int
+    copies: tuple[CopyPrediction, ...]
+
+    @property
+    def step_seconds(self) -> float:
+        return self.forward_seconds + self.backward_seconds
+
+    @property
+    def peak_saved_bytes(self) -> int:
+        return self.baseline_peak_bytes - self.peak_bytes
+
+
+@dataclasses.dataclass
+class _Copy:
+    transfer: Transfer
+    offload_start: float = 0.0
+    offload_end: float = 0.0
+    reload_start: float = 0.0
+    reload_end: float = 0.0
+    stall: float = 0.0
+
+
+class _Streams:
+    def __init__(self, overlap: bool) -> None:
+        self.clock = 0.0
+        self.stall = 0.0
+        self.overlap = overlap
+
+    def enqueue(self, queue_free: float, ready: float, seconds: float) -> tuple[float, float]:
+        start = max(self.clock, queue_free, ready)
+        if not self.overlap:
+            self.wait_for(start + seconds)
+        return start, start + seconds
+
+    def wait_for(self, done: float) -> float:
+        stall = max(0.0, done - self.clock)
+        self.clock += stall
+        self.stall += stall
+        return stall
+
+
+def _by(transfers: Sequence[Transfer], key: str) -> dict[int, list[Transfer]]:
+    buckets: dict[int, list[Transfer]] = defaultdict(list)
+    for t in transfers:
+        buckets[getattr(t, key)].append(t)
+    return buckets
+
+
+def peak_bytes(costs: ChunkCosts, transfers: Sequence[Transfer]) -> int:
+    allocated = list(costs.allocated)
+    freed = list(costs.freed)
+    for t in transfers:
+        freed[t.wait_at] += t.nbytes
+        allocated[costs.num_forward + t.reload_at] += t.nbytes
+    held = itertools.accumulate((a - f for a, f in zip(allocated, freed, strict=True)), initial=0)
+    live = (before + a for before, a in zip(held, allocated, strict=False))
+    return costs.resident_bytes + max(live, default=0)
+
+
+def simulate(costs: ChunkCosts, transfers: Sequence[Transfer]) -> Prediction:
+    streams = _Streams(costs.profile.copies_overlap_compute)
+    copies = {t.root: _Copy(t) for t in transfers}
+    offloads, waits = _by(transfers, "offload_at"), _by(transfers, "wait_at")
+    reloads, needs = _by(transfers, "reload_at"), _by(transfers, "need_at")
+
+    d2h_free = 0.0
+    for i, seconds in enumerate(costs.forward_seconds):
+        streams.clock += seconds
+        for t in offloads.get(i, ()):
+            c = copies[t.root]
+            c.offload_start, c.offload_end = streams.enqueue(
+                d2h_free, 0.0, costs.offload_seconds(t.nbytes)
+            )
+            d2h_free = c.offload_end
+        for t in waits.get(i, ()):
+            copies[t.root].stall += streams.wait_for(copies[t.root].offload_end)
+    forward_end = streams.clock
+
+    h2d_free = 0.0
+    for j, seconds in enumerate(costs.backward_seconds):
+        for t in sorted(reloads.get(j, ()), key=lambda t: t.need_at):
+            c = copies[t.root]
+            c.reload_start, c.reload_end = streams.enqueue(
+                h2d_free, c.offload_end, costs.reload_seconds(t.nbytes)
+            )
+            h2d_free = c.reload_end
+        for t in needs.get(j, ()):
+            copies[t.root].stall += streams.wait_for(copies[t.root].reload_end)
+        streams.clock += seconds
+
+    baseline = sum(costs.forward_seconds) + sum(costs.backward_seconds)
+    return Prediction(
+        forward_seconds=forward_end,
+        backward_seconds=streams.clock - forward_end,
+        stall_seconds=streams.stall,
+        peak_bytes=peak_bytes(costs, transfers),
+        baseline_seconds=baseline,
+        baseline_peak_bytes=peak_bytes(costs, ()),
+        copies=tuple(
+            CopyPrediction(
+                c.transfer.root,
+                c.transfer.nbytes,
+                c.offload_start,
+                c.offload_end,
+                c.reload_start,
+                c.reload_end,
+                c.stall,
+            )
+            for c in copies.values()
+        ),
+    )

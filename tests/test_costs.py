@@ -1,0 +1,83 @@
+"""The cost model on a graph small enough to price by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from offload_pass.analysis import ChunkGraphs
+from offload_pass.costs import estimate_costs, node_seconds
+from offload_pass.profiles import BUILT_IN, DeviceProfile
+from offload_pass.simulate import peak_bytes
+
+PROFILE = DeviceProfile("test", 1e3, 1e3, 1e12, 1e9, 1e9, 2e9)
+
+
+def _forward(x, w):
+    y = torch.mm(x, w)
+    return y.relu().sum(), y
+
+
+def _backward(y, tangent):
+    return (y * tangent,)
+
+
+def _chunk() -> ChunkGraphs:
+    x, w = torch.randn(6, 4), torch.randn(4, 8)
+    forward = make_fx(_forward, tracing_mode="fake")(x, w)
+    backward = make_fx(_backward, tracing_mode="fake")(torch.mm(x, w), torch.tensor(1.0))
+    saved = forward.graph.output_node().args[0][1]
+    y_input = backward.graph.find_nodes(op="placeholder")[0]
+    y_input.name = y_input.target = saved.name
+    backward.recompile()
+    return ChunkGraphs(forward, backward, num_forward_outputs=1)
+
+
+def _node(graph: torch.fx.Graph, target) -> torch.fx.Node:
+    (node,) = graph.find_nodes(op="call_function", target=target)
+    return node
+
+
+def test_a_matrix_product_is_priced_by_its_flops():
+    mm = _node(_chunk().forward.graph, torch.ops.aten.mm.default)
+    assert node_seconds(mm, PROFILE) == pytest.approx(2 * 6 * 4 * 8 / 1e3)
+
+
+def test_an_elementwise_op_is_priced_by_the_bytes_it_moves():
+    relu = _node(_chunk().forward.graph, torch.ops.aten.relu.default)
+    slow_memory = dataclasses.replace(PROFILE, memory_bandwidth=384.0)
+    assert node_seconds(relu, slow_memory) == pytest.approx(1.0)  # reads 192 B, writes 192 B
+
+
+def test_views_and_placeholders_cost_nothing():
+    chunk = _chunk()
+    placeholders = chunk.forward.graph.find_nodes(op="placeholder")
+    assert all(node_seconds(n, PROFILE) == 0 for n in placeholders)
+
+
+def test_memory_timeline_follows_each_storage_from_producer_to_last_use():
+    # forward: x, w, mm, relu, sum, output; backward: y, tangent, mul, output.
+    costs = estimate_costs(_chunk(), PROFILE)
+    assert costs.resident_bytes == 6 * 4 * 4 + 4 * 8 * 4
+    assert costs.allocated == (0, 0, 192, 192, 4, 0, 0, 4, 192, 0)
+    # relu dies after sum; y and the tangent after mul; sum (a user output) and the
+    # gradient (a backward output) are kept to the end.
+    assert costs.freed == (0, 0, 0, 0, 192, 0, 0, 0, 192 + 4, 4 + 192)
+    assert costs.backward_inputs == 2
+    # the peak is while sum runs: y, relu and sum's result are live
+    assert peak_bytes(costs, ()) == costs.resident_bytes + 192 + 192 + 4
+
+
+def test_built_in_profiles_are_positive_and_cpu_copies_do_not_overlap():
+    assert not BUILT_IN["cpu"].copies_overlap_compute
+    assert all(p.copies_overlap_compute for name, p in BUILT_IN.items() if name != "cpu")
+    with pytest.raises(ValueError, match="device_to_host must be positive"):
+        dataclasses.replace(PROFILE, device_to_host=0.0)
+
+
+def test_matrix_rate_depends_on_dtype():
+    h200 = BUILT_IN["h200"]
+    assert h200.matrix_rate(torch.bfloat16) > h200.matrix_rate(torch.float32)
