@@ -66,7 +66,14 @@ class GPT(nn.Module):
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--fraction", type=float, default=1.0)
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--fraction", type=float, help="share of activations to move (default: auto)")
+    mode.add_argument(
+        "--memory-budget",
+        type=float,
+        help="predicted peak to reach, as a share of the peak without",
+    )
+    parser.add_argument("--profile", help="device profile to plan with (default: by device name)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--compiler", choices=["inductor", "eager"], default="inductor")
     parser.add_argument("--dim", type=int, help="model width (default: 1024 on CUDA, 128 on CPU)")
@@ -93,11 +100,16 @@ def main() -> None:
     torch.manual_seed(0)
     model = GPT(args.vocab, args.dim, args.heads, args.layers, args.seq).to(device, dtype)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    backend = offload_pass.backend(fraction=args.fraction, compiler=args.compiler)
+    backend = offload_pass.backend(
+        fraction=args.fraction,
+        memory_budget=args.memory_budget,
+        profile=args.profile,
+        compiler=args.compiler,
+    )
     compiled = torch.compile(model, backend=backend)
     tokens = torch.randint(args.vocab, (args.batch, args.seq + 1), device=device)
 
-    print(f"device={device} dtype={dtype} fraction={args.fraction} compiler={args.compiler}")
+    print(f"device={device} dtype={dtype} {backend.options.mode} compiler={args.compiler}")
     for step in range(1, args.steps + 1):
         if device.type == "cuda":
             torch.cuda.synchronize()

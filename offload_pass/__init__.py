@@ -6,10 +6,12 @@ model = torch.compile(model, backend=offload_pass.backend(fraction=0.5))
 from offload_pass import ops  # noqa: F401  (registers the offload_pass:: ops)
 from offload_pass._compat import register_backend_name
 from offload_pass.backend import OffloadBackend, backend, default_backend, offload
+from offload_pass.explain import explain
 from offload_pass.options import OffloadOptions, set_fraction
 from offload_pass.plan import Plan
 from offload_pass.planner import Decision, Placement
 from offload_pass.profiles import DeviceProfile
+from offload_pass.report import ModelReport
 from offload_pass.runtime import OffloadError, TransferCounts, counts
 from offload_pass.simulate import CopyPrediction, Prediction
 
@@ -18,6 +20,7 @@ register_backend_name("offload", offload)
 __all__ = [
     "CopyPrediction",
     "Decision",
+    "ModelReport",
     "DeviceProfile",
     "OffloadBackend",
     "OffloadError",
@@ -29,6 +32,7 @@ __all__ = [
     "backend",
     "counts",
     "default_backend",
+    "explain",
     "set_fraction",
 ]
 __version__ = "0.1.0"

@@ -147,15 +147,32 @@ def register_backend_name(name: str, compiler_fn: Callable[..., Any]) -> None:
         register_backend(compiler_fn=compiler_fn, name=name)
 
 
+def _flop_formulas() -> dict[Any, Callable[..., int]]:
+    """torch's flop formulas, plus its attention formulas for the CPU attention kernels
+    (so a graph traced on the CPU prices attention as the GPU kernels would)."""
+    from torch.utils import flop_counter
+
+    aten = torch.ops.aten
+    formulas = dict(flop_counter.flop_registry)
+    for op, formula in (
+        ("_scaled_dot_product_flash_attention_for_cpu", flop_counter.sdpa_flop),
+        ("_scaled_dot_product_flash_attention_for_cpu_backward", flop_counter.sdpa_backward_flop),
+    ):
+        if hasattr(aten, op):
+            formulas.setdefault(getattr(aten, op), formula)
+    return formulas
+
+
 def flop_count(node: torch.fx.Node) -> int:
     """FLOPs of one ATen node by torch's flop formulas on its fake values; 0 if none."""
-    from torch.utils.flop_counter import flop_registry
-
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
         return 0
-    formula = flop_registry.get(target.overloadpacket)
+    formula = _FLOP_FORMULAS.get(target.overloadpacket)
     if formula is None:
         return 0
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
     return concrete_int(formula(*args, **kwargs, out_val=node.meta.get("val"))) or 0
+
+
+_FLOP_FORMULAS = _flop_formulas()

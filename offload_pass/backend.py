@@ -31,12 +31,16 @@ class OffloadBackend:
         self.options = options
         self.plans: list[Plan] = []
 
+    def partitioner_for(self, gm: torch.fx.GraphModule) -> OffloadPartitioner:
+        """The partitioner for one Dynamo graph; its plan is appended to ``plans``."""
+        self.options.check_patterns_match(_module_paths(gm))
+        name = f"chunk {gm.meta.get('dynamo_compile_id', len(self.plans))}"
+        return OffloadPartitioner(self.options, name, self.plans.append)
+
     def __call__(
         self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]
     ) -> Callable[..., Any]:
-        self.options.check_patterns_match(_module_paths(gm))
-        name = f"chunk {gm.meta.get('dynamo_compile_id', len(self.plans))}"
-        partitioner = OffloadPartitioner(self.options, name, self.plans.append)
+        partitioner = self.partitioner_for(gm)
         if self.options.compiler == "eager":
             return _compat.compile_with_eager(gm, example_inputs, partitioner)
         return _compat.compile_with_inductor(gm, example_inputs, partitioner)

@@ -138,3 +138,16 @@ def format_model(plans: Sequence[Plan]) -> str:
         f"(stall {format_seconds(stall)})"
     )
     return "\n\n".join([*(format_plan(p) for p in plans), totals])
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelReport:
+    """Every chunk's plan; ``print`` shows each chunk's table and the model's totals."""
+
+    plans: tuple[Plan, ...]
+
+    def rows(self) -> list[Row]:
+        return [row for plan in self.plans for row in plan_rows(plan)]
+
+    def __str__(self) -> str:
+        return format_model(self.plans)

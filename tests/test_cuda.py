@@ -176,3 +176,43 @@ def test_interleaved_microbatches_on_gpu(fraction):
         assert torch.equal(p.grad, q.grad), name
     for x, expected in zip(inputs, expected_x, strict=True):
         assert torch.equal(x.grad, expected)
+
+
+def test_profile_is_chosen_from_the_device_name():
+    name = torch.cuda.get_device_name().lower()
+    expected = next((key for key in ("h200", "h100", "a100") if key in name), None)
+    if expected is None:
+        pytest.skip(f"no built-in profile for {name}")
+    backend = offload_pass.backend(fraction=0.0)
+    _step(torch.compile(_blocks(), backend=backend), torch.randn(2, 128, 256, device="cuda"))
+    assert backend.plans[0].profile.name == expected
+
+
+def test_calibration_measures_this_device_near_its_built_in_profile():
+    from offload_pass.calibration import calibrate
+    from offload_pass.profiles import built_in_for_name
+
+    measured = calibrate(torch.cuda.current_device())
+    assert calibrate(torch.cuda.current_device()) is measured, "cached per process"
+    built_in = built_in_for_name(torch.cuda.get_device_name())
+    if built_in is None:
+        pytest.skip("no built-in profile to compare with")
+    for field in ("matmul_flops", "memory_bandwidth", "device_to_host", "host_to_device"):
+        ratio = getattr(measured, field) / getattr(built_in, field)
+        assert 0.5 < ratio < 2.0, (field, getattr(measured, field), getattr(built_in, field))
+
+
+@pytest.mark.parametrize("options", [{}, {"memory_budget": 0.8}], ids=["auto", "budget"])
+def test_planner_modes_train_like_the_unoffloaded_model(options):
+    """auto and memory_budget move activations of a float32 stack and match its gradients."""
+    model = _blocks(depth=4, dim=1024, heads=8)
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 512, 1024, device="cuda")
+    backend = offload_pass.backend(**options)
+    compiled = torch.compile(model, backend=backend)
+    expected = torch.compile(reference, backend=offload_pass.backend(fraction=0.0))
+    for net in (compiled, expected):
+        total(net(x)).backward()
+    assert backend.plans[0].moved, str(backend.plans[0])
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)

@@ -1,0 +1,281 @@
+"""Side by side, in one process: no offload, the peers and offload_pass on the workloads of
+BENCHMARKS.md; a markdown table, a JSON file and a Pareto plot under --out.
+
+    python -m benchmarks.compare                        # W1 and W2, every configuration
+    python -m benchmarks.compare --workloads W1 --configs compiled "offload_pass auto"
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import tabulate
+import torch
+
+from benchmarks import configs, workloads
+from benchmarks.measure import Measurement, measure
+from offload_pass.report import format_model
+
+GiB = 2**30
+BASELINE = "compiled"
+FIRST = ("compiled", "offload_pass auto")  # the builtin peer marks what auto moved
+RATIO_LIMIT = 1.03
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    device: str
+    device_to_host: float | None
+    host_to_device: float | None
+    both_directions: float | None
+    matmul_flops: float | None
+
+    @classmethod
+    def measured(cls, device: torch.device) -> Hardware:
+        if device.type != "cuda":
+            return cls("cpu", None, None, None, None)
+        from offload_pass.calibration import calibrate
+
+        p = calibrate(device.index or 0)
+        name = torch.cuda.get_device_name(device)
+        return cls(name, p.device_to_host, p.host_to_device, p.both_directions, p.matmul_flops)
+
+
+def derive(rows: Sequence[Measurement], hardware: Hardware) -> list[dict[str, Any]]:
+    """Each measurement with its ratios against the baseline of the same run."""
+    base = next((r for r in rows if r.config == BASELINE and r.ok), None)
+    derived = []
+    for r in rows:
+        d = dataclasses.asdict(r)
+        d.pop("moved_names")
+        if r.ok and base is not None:
+            d["step_ratio"] = r.step_ms / base.step_ms
+            if r.peak_bytes is not None and hardware.device_to_host:
+                limit = hardware.device_to_host * base.forward_ms / 1e3
+                d["peak_saved_bytes"] = base.peak_bytes - r.peak_bytes
+                d["offload_efficiency"] = d["peak_saved_bytes"] / limit
+            if r.family == "offload_pass" and hardware.device_to_host and r.bytes_moved:
+                d["pcie_bound_ms"] = _pcie_bound_ms(base, r.bytes_moved, hardware)
+                d["bound_ratio"] = r.step_ms / d["pcie_bound_ms"]
+            if r.predicted_step_ms is not None:
+                d["step_prediction_error"] = abs(r.predicted_step_ms - r.step_ms) / r.step_ms
+            if r.predicted_peak_bytes is not None and r.peak_bytes is not None:
+                d["peak_prediction_error"] = (
+                    abs(r.predicted_peak_bytes - r.peak_bytes) / r.peak_bytes
+                )
+        derived.append(d)
+    return derived
+
+
+def _pcie_bound_ms(base: Measurement, moved: int, hw: Hardware) -> float:
+    forward = base.forward_ms / 1e3
+    backward = (base.step_ms - base.forward_ms) / 1e3
+    bound = max(forward, moved / hw.device_to_host) + max(backward, moved / hw.host_to_device)
+    return bound * 1e3
+
+
+def check_targets(rows: list[dict[str, Any]]) -> list[str]:
+    """The targets of the benchmarks issue, each met or missed by how much."""
+    ok = [r for r in rows if r["status"] == "ok" and r.get("peak_bytes") is not None]
+    ours = [r for r in ok if r["family"] == "offload_pass"]
+    if not ours:
+        return ["no offload_pass point with memory figures: targets not checked"]
+    lines = []
+    peers = [r for r in ok if r["family"] not in ("offload_pass",) and r["config"] != BASELINE]
+    for peer in peers:
+        best = [
+            o
+            for o in ours
+            if o["peak_bytes"] <= peer["peak_bytes"] and o["step_ms"] <= peer["step_ms"]
+        ]
+        verdict = f"dominated by {best[0]['config']}" if best else "NOT dominated"
+        lines.append(
+            f"pareto: {peer['config']} ({peer['step_ms']:.1f} ms, "
+            f"{peer['peak_bytes'] / GiB:.2f} GiB): {verdict}"
+        )
+    auto = next((r for r in ours if r["config"] == "offload_pass auto"), None)
+    if auto is not None and "step_ratio" in auto:
+        met = auto["offload_efficiency"] >= 0.9 and auto["step_ratio"] <= RATIO_LIMIT
+        lines.append(
+            f"auto: efficiency {auto['offload_efficiency']:.3f} (target >= 0.9) at step ratio "
+            f"{auto['step_ratio']:.3f} (target <= {RATIO_LIMIT}): {'met' if met else 'MISSED'}"
+        )
+        for key in ("step_prediction_error", "peak_prediction_error"):
+            if key in auto:
+                verdict = "met" if auto[key] <= 0.15 else "MISSED"
+                lines.append(
+                    f"auto: {key.replace('_', ' ')} {auto[key]:.1%} (target <= 15%): {verdict}"
+                )
+    for r in ours:
+        if "bound_ratio" in r:
+            verdict = "met" if r["bound_ratio"] <= 1.10 else "MISSED"
+            lines.append(
+                f"bound: {r['config']} at {r['bound_ratio']:.3f}x the PCIe bound "
+                f"(target <= 1.10): {verdict}"
+            )
+    checkpoint = next((r for r in ok if r["config"] == "checkpoint blocks"), None)
+    if checkpoint is not None:
+        under = [o for o in ours if o["peak_bytes"] <= checkpoint["peak_bytes"]]
+        if under:
+            fastest = min(under, key=lambda o: o["step_ms"])
+            gain = checkpoint["step_ms"] / fastest["step_ms"] - 1
+            verdict = "met" if gain >= 0.10 else "MISSED"
+            lines.append(
+                f"checkpointing: {fastest['config']} is {gain:.1%} faster at no more "
+                f"peak (target >= 10%): {verdict}"
+            )
+        else:
+            lines.append("checkpointing: no offload_pass point at or under its peak: MISSED")
+    return lines
+
+
+COLUMNS = (
+    ("config", "config", "{}"),
+    ("status", "status", "{}"),
+    ("step_ms", "step ms", "{:.1f}"),
+    ("step_ratio", "ratio", "{:.3f}"),
+    ("peak_bytes", "peak GiB", "gib"),
+    ("held_bytes", "held GiB", "gib"),
+    ("bytes_moved", "moved GiB", "gib"),
+    ("offload_efficiency", "efficiency", "{:.3f}"),
+    ("bound_ratio", "bound ratio", "{:.3f}"),
+    ("predicted_step_ms", "pred ms", "{:.1f}"),
+    ("predicted_peak_bytes", "pred peak GiB", "gib"),
+    ("pinned_allocations_after_warmup", "pinned allocs", "{}"),
+    ("first_step_s", "first step s", "{:.1f}"),
+)
+
+
+def _cell(value: Any, fmt: str) -> str:
+    if value is None:
+        return ""
+    return f"{value / GiB:.2f}" if fmt == "gib" else fmt.format(value)
+
+
+def markdown(workload: str, rows: list[dict[str, Any]], targets: list[str]) -> str:
+    table = tabulate.tabulate(
+        [[_cell(r.get(key), fmt) for key, _, fmt in COLUMNS] for r in rows],
+        headers=[header for _, header, _ in COLUMNS],
+        tablefmt="github",
+        disable_numparse=True,
+    )
+    return f"## {workload}\n\n{table}\n\n" + "\n".join(f"- {line}" for line in targets) + "\n"
+
+
+def plot(results: dict[str, Any], path: Path) -> bool:
+    """Peak memory against step time, one colour per method; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = list(results["workloads"])
+    figure, axes = plt.subplots(1, len(names), figsize=(7 * len(names), 5), squeeze=False)
+    for ax, name in zip(axes[0], names, strict=True):
+        rows = [r for r in results["workloads"][name]["rows"] if r.get("peak_bytes")]
+        for family in dict.fromkeys(r["family"] for r in rows):
+            points = sorted(
+                (r["step_ms"], r["peak_bytes"] / GiB) for r in rows if r["family"] == family
+            )
+            front = _pareto_front(points)
+            ax.scatter(*zip(*points, strict=True), label=family)
+            ax.plot(*zip(*front, strict=True), linewidth=1)
+        ax.set(title=name, xlabel="step time (ms)", ylabel="peak memory (GiB)")
+        ax.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    return True
+
+
+def _pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    front, lowest = [], float("inf")
+    for step, peak in sorted(points):
+        if peak < lowest:
+            front.append((step, peak))
+            lowest = peak
+    return front
+
+
+def run_workload(
+    name: str, wanted: Sequence[str], steps: int, device: torch.device, show_plans: bool = False
+) -> list[Measurement]:
+    workload = {w.name: w for w in (workloads.W1, workloads.W2, workloads.TINY)}[name]
+    chosen = [c for c in configs.all_configs() if not wanted or c.name in wanted]
+    chosen.sort(key=lambda c: FIRST.index(c.name) if c.name in FIRST else len(FIRST))
+    shared: dict[str, Any] = {}
+    results = []
+    for config in chosen:
+        result = measure(config, workload, device, steps, shared)
+        if config.name == "offload_pass auto" and result.ok:
+            shared["moved_names"] = set(result.moved_names)
+        print(f"{name} {config.name}: {result.status}, step {result.step_ms} ms", flush=True)
+        if show_plans and shared.get("backend") is not None:
+            print(format_model(shared["backend"].plans), flush=True)
+        results.append(result)
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", nargs="+", default=["W1", "W2"])
+    parser.add_argument("--configs", nargs="*", default=[], help="names to run (default: all)")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--show-plans", action="store_true", help="print offload_pass's reports")
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device)
+    hardware = Hardware.measured(device)
+    results: dict[str, Any] = {
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "hardware": dataclasses.asdict(hardware),
+        "workloads": {},
+    }
+    report = [
+        f"# {hardware.device}, torch {torch.__version__}, {results['date']}\n",
+        _hardware_line(hardware),
+    ]
+    for name in args.workloads:
+        rows = derive(
+            run_workload(name, args.configs, args.steps, device, args.show_plans), hardware
+        )
+        targets = check_targets(rows)
+        results["workloads"][name] = {"rows": rows, "targets": targets}
+        report.append(markdown(name, rows, targets))
+        print(report[-1], flush=True)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = (
+        args.out
+        / f"{re.sub(r'[^A-Za-z0-9]+', '-', hardware.device).strip('-').lower()}-{results['date']}"
+    )
+    stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
+    stem.with_suffix(".md").write_text("\n".join(report))
+    plot(results, stem.with_suffix(".png"))
+    return results
+
+
+def _hardware_line(hw: Hardware) -> str:
+    if hw.device_to_host is None:
+        return "Copy bandwidths not measured (no CUDA device).\n"
+    return (
+        f"Measured in this run: pinned device-to-host {hw.device_to_host / 1e9:.1f} GB/s, "
+        f"host-to-device {hw.host_to_device / 1e9:.1f} GB/s, both at once "
+        f"{hw.both_directions / 1e9:.1f} GB/s, "
+        f"bf16 matrix product {hw.matmul_flops / 1e12:.0f} TFLOP/s.\n"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""The configurations compared: no offload, the peers, and offload_pass.
+
+Each configuration turns a fresh model into a forward function (the loss of one batch);
+the harness runs backward itself. A configuration that cannot run on this machine raises
+:class:`Unavailable`, and the harness records why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+import offload_pass
+from benchmarks.workloads import WithLoss
+
+Forward = Callable[[torch.Tensor], torch.Tensor]
+
+
+class Unavailable(RuntimeError):
+    """This configuration cannot run here (a missing package, no CUDA device)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    name: str
+    family: str
+    prepare: Callable[[nn.Module, dict[str, Any]], Forward]
+    cuda_only: bool = False
+
+
+def _compiled(model: nn.Module, **compile_kwargs: Any) -> Forward:
+    return torch.compile(WithLoss(model), **compile_kwargs)
+
+
+def _under(context: Callable[[], contextlib.AbstractContextManager], forward: Forward) -> Forward:
+    def run(x: torch.Tensor) -> torch.Tensor:
+        with context():
+            return forward(x)
+
+    return run
+
+
+def eager(model: nn.Module, shared: dict[str, Any]) -> Forward:
+    return WithLoss(model)
+
+
+def compiled(model: nn.Module, shared: dict[str, Any]) -> Forward:
+    return _compiled(model)
+
+
+def save_on_cpu(model: nn.Module, shared: dict[str, Any]) -> Forward:
+    return _under(lambda: torch.autograd.graph.save_on_cpu(pin_memory=True), eager(model, shared))
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+
+def checkpoint_blocks(model: nn.Module, shared: dict[str, Any]) -> Forward:
+    model.blocks = nn.ModuleList(Checkpointed(b) for b in model.blocks)
+    return _compiled(model)
+
+
+def memory_budget_partitioner(budget: float) -> Callable[[nn.Module, dict[str, Any]], Forward]:
+    def prepare(model: nn.Module, shared: dict[str, Any]) -> Forward:
+        return _under(
+            lambda: torch._functorch.config.patch(activation_memory_budget=budget),
+            _compiled(model),
+        )
+
+    return prepare
+
+
+def _mark_for_builtin_offload(names: set[str]) -> Callable[..., torch.fx.GraphModule]:
+    """A ``joint_custom_pass`` marking the joint-graph nodes ``names`` (the activations
+    offload_pass moved) for PyTorch's own offloading; matrix products if none match."""
+    products = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+    def mark(joint: torch.fx.GraphModule, joint_inputs: Any) -> torch.fx.GraphModule:
+        nodes = [n for n in joint.graph.nodes if n.name in names]
+        if not nodes:
+            nodes = [n for n in joint.graph.nodes if n.target in products]
+        for node in nodes:
+            node.meta["should_offload"] = True
+        return joint
+
+    return mark
+
+
+def builtin_offload(streams: bool) -> Callable[[nn.Module, dict[str, Any]], Forward]:
+    def prepare(model: nn.Module, shared: dict[str, Any]) -> Forward:
+        flags = {
+            "enable_activation_offloading": True,
+            "joint_custom_pass": _mark_for_builtin_offload(shared.get("moved_names", set())),
+        }
+        if streams:
+            flags |= {
+                "activation_offload_separate_stream": True,
+                "activation_offload_sink_wait": True,
+                "activation_reload_prefetch": True,
+            }
+        return _under(lambda: torch._functorch.config.patch(**flags), _compiled(model))
+
+    return prepare
+
+
+def _torchtune_offloading() -> type:
+    """torchtune's OffloadActivations, loaded from its module file alone: the torchtune
+    package's own import pulls in data-set and tokenizer libraries it does not need."""
+    spec = importlib.util.find_spec("torchtune")
+    if spec is None or spec.submodule_search_locations is None:
+        raise Unavailable("torchtune is not installed")
+    path = Path(next(iter(spec.submodule_search_locations))) / "training/_activation_offloading.py"
+    module_spec = importlib.util.spec_from_file_location("torchtune_activation_offloading", path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except ImportError as error:
+        raise Unavailable(f"torchtune's offloading does not import: {error}") from error
+    return module.OffloadActivations
+
+
+def torchtune_offload(model: nn.Module, shared: dict[str, Any]) -> Forward:
+    offload_activations = _torchtune_offloading()
+    return _under(lambda: offload_activations(use_streams=True), eager(model, shared))
+
+
+def ours(**options: Any) -> Callable[[nn.Module, dict[str, Any]], Forward]:
+    def prepare(model: nn.Module, shared: dict[str, Any]) -> Forward:
+        backend = offload_pass.backend(**options)
+        shared["backend"] = backend
+        return _compiled(model, backend=backend)
+
+    return prepare
+
+
+def our_configs(budgets: tuple[float, ...]) -> list[Config]:
+    configs = [Config("offload_pass auto", "offload_pass", ours())]
+    configs += [
+        Config(f"offload_pass fraction {f:g}", "offload_pass", ours(fraction=f))
+        for f in (0.25, 0.5, 0.75, 1.0)
+    ]
+    configs += [
+        Config(f"offload_pass budget {b:g}", "offload_pass", ours(memory_budget=b)) for b in budgets
+    ]
+    return configs
+
+
+def all_configs() -> list[Config]:
+    return [
+        Config("eager", "no offload", eager),
+        Config("compiled", "no offload", compiled),
+        *our_configs(budgets=(0.85, 0.7)),
+        Config("save_on_cpu", "save_on_cpu", save_on_cpu, cuda_only=True),
+        Config("checkpoint blocks", "checkpointing", checkpoint_blocks),
+        *(
+            Config(f"memory_budget {b:g}", "memory_budget", memory_budget_partitioner(b))
+            for b in (0.7, 0.5, 0.3)
+        ),
+        Config("builtin sync", "builtin offload", builtin_offload(streams=False), cuda_only=True),
+        Config("builtin streams", "builtin offload", builtin_offload(streams=True), cuda_only=True),
+        Config("torchtune streams", "torchtune", torchtune_offload, cuda_only=True),
+    ]

@@ -1,0 +1,144 @@
+"""Run one configuration for a few steps and measure it."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import statistics
+import time
+from typing import Any
+
+import torch
+
+import offload_pass
+from benchmarks.configs import Config, Unavailable
+from benchmarks.workloads import Workload, build
+
+FIRST_TIMED_STEP = 2  # BENCHMARKS.md: the median of steps 3..8
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    config: str
+    family: str
+    status: str
+    step_ms: float | None = None
+    forward_ms: float | None = None
+    first_step_s: float | None = None
+    peak_bytes: int | None = None
+    held_bytes: int | None = None
+    bytes_moved: int | None = None
+    pinned_allocations_after_warmup: int | None = None
+    predicted_step_ms: float | None = None
+    predicted_forward_ms: float | None = None
+    predicted_peak_bytes: int | None = None
+    moved_names: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+@dataclasses.dataclass
+class _Step:
+    seconds: float
+    forward_seconds: float
+    peak_bytes: int | None
+    held_bytes: int | None
+    bytes_moved: int
+
+
+def _pinned_allocations() -> int | None:
+    if not torch.cuda.is_available():
+        return None
+    stats = torch.cuda.host_memory_stats()
+    return stats.get("num_host_alloc", stats.get("allocations.allocated"))
+
+
+def _run_step(forward: Any, x: torch.Tensor) -> _Step:
+    cuda = x.device.type == "cuda"
+    moved_before = offload_pass.counts().bytes_offloaded
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        events[0].record()
+    start = time.perf_counter()
+    loss = forward(x)
+    if cuda:
+        events[1].record()
+        held = torch.cuda.memory_allocated() - before
+    middle = time.perf_counter()
+    loss.backward()
+    if cuda:
+        events[2].record()
+        torch.cuda.synchronize()
+        seconds = events[0].elapsed_time(events[2]) / 1e3
+        forward_seconds = events[0].elapsed_time(events[1]) / 1e3
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        seconds, forward_seconds = time.perf_counter() - start, middle - start
+        peak = held = None
+    return _Step(
+        seconds, forward_seconds, peak, held, offload_pass.counts().bytes_offloaded - moved_before
+    )
+
+
+def _predictions(shared: dict[str, Any]) -> dict[str, Any]:
+    backend = shared.get("backend")
+    if backend is None or not backend.plans:
+        return {}
+    plans = backend.plans
+    return {
+        "predicted_step_ms": sum(p.prediction.step_seconds for p in plans) * 1e3,
+        "predicted_forward_ms": sum(p.prediction.forward_seconds for p in plans) * 1e3,
+        "predicted_peak_bytes": max(p.prediction.peak_bytes for p in plans),
+        "moved_names": tuple(d.group.root for p in plans for d in p.moved),
+    }
+
+
+def measure(
+    config: Config, workload: Workload, device: torch.device, steps: int, shared: dict[str, Any]
+) -> Measurement:
+    if config.cuda_only and device.type != "cuda":
+        return Measurement(config.name, config.family, "needs a CUDA device")
+    torch.compiler.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    torch.manual_seed(0)
+    model, x = build(workload, device)
+    shared.pop("backend", None)
+    try:
+        forward = config.prepare(model, shared)
+        records = []
+        pinned = None
+        started = time.perf_counter()
+        for step in range(steps):
+            if step == FIRST_TIMED_STEP:
+                pinned = _pinned_allocations()
+            records.append(_run_step(forward, x))
+            model.zero_grad(set_to_none=True)
+            if step == 0:
+                first_step = time.perf_counter() - started
+    except Unavailable as why:
+        return Measurement(config.name, config.family, str(why))
+    except Exception as error:  # a peer that fails is a result, not a crash
+        message = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+        return Measurement(config.name, config.family, f"fails: {type(error).__name__}: {message}")
+    timed = records[FIRST_TIMED_STEP:] or records
+    after = _pinned_allocations()
+    return Measurement(
+        config.name,
+        config.family,
+        "ok",
+        step_ms=statistics.median(r.seconds for r in timed) * 1e3,
+        forward_ms=statistics.median(r.forward_seconds for r in timed) * 1e3,
+        first_step_s=first_step,
+        peak_bytes=None if timed[0].peak_bytes is None else max(r.peak_bytes for r in timed),
+        held_bytes=None if timed[0].held_bytes is None else max(r.held_bytes for r in timed),
+        bytes_moved=timed[-1].bytes_moved,
+        pinned_allocations_after_warmup=None if after is None or pinned is None else after - pinned,
+        **_predictions(shared),
+    )

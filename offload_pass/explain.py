@@ -1,0 +1,56 @@
+"""Plan a model without training it: compile, partition, plan and rewrite each chunk, but
+run none of the model's kernels."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+from offload_pass import _compat
+from offload_pass.backend import OffloadBackend
+from offload_pass.options import OffloadOptions
+from offload_pass.report import ModelReport
+
+
+def _stand_ins(gm: torch.fx.GraphModule) -> Callable[..., tuple[Any, ...]]:
+    """A function returning zeros shaped like the graph's outputs, in place of running it."""
+    outputs = gm.graph.output_node().args[0]
+    values = [
+        node.meta.get("example_value") if isinstance(node, torch.fx.Node) else node
+        for node in outputs
+    ]
+
+    def stand_in(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            shape = [_compat.concrete_int(s) for s in value.shape]
+            return torch.zeros(shape, dtype=value.dtype, device=value.device)
+        if isinstance(value, torch.SymInt):
+            return _compat.concrete_int(value)
+        return value
+
+    return lambda *args: tuple(stand_in(v) for v in values)
+
+
+class _PlanOnly:
+    def __init__(self, backend: OffloadBackend) -> None:
+        self.backend = backend
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> Callable:
+        _compat.compile_with_eager(gm, example_inputs, self.backend.partitioner_for(gm))
+        return _stand_ins(gm)
+
+
+def explain(model: torch.nn.Module, *example_inputs: Any, **backend_options: Any) -> ModelReport:
+    """The plans ``offload_pass.backend(**backend_options)`` would make for ``model``.
+
+    Compiles ``model`` on ``example_inputs`` and plans every chunk, without running the
+    model: each chunk's outputs are stand-in zeros, so code between graph breaks runs on
+    them. Inputs on the CPU plan for the device ``profile`` names (``"h200"``, say), so a
+    model meant for a GPU can be planned before one is at hand.
+    """
+    backend = OffloadBackend(OffloadOptions.create(**backend_options))
+    torch.compile(model, backend=_PlanOnly(backend))(*example_inputs)
+    return ModelReport(tuple(backend.plans))
