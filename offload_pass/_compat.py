@@ -28,6 +28,15 @@ def exact_strides_tags(tag_namespace: Any = torch.Tag) -> tuple[torch.Tag, ...]:
     return ()
 
 
+def fusible_tags(tag_namespace: Any = torch.Tag) -> tuple[torch.Tag, ...]:
+    """Tags of ops Inductor fuses into neighbouring kernels (pointwise, reductions)."""
+    return tuple(
+        getattr(tag_namespace, name)
+        for name in ("pointwise", "reduction")
+        if hasattr(tag_namespace, name)
+    )
+
+
 def stock_partition(
     joint: torch.fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
 ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
@@ -42,11 +51,16 @@ def compile_with_inductor(
     """Inductor with ``partitioner`` in place of its own.
 
     Compile caches are off for these graphs: a cached graph would skip the partitioner,
-    and with it the current plan (fractions change between compiles).
+    and with it the current plan (fractions change between compiles). Inductor's
+    peak-memory reordering is off too: it would sink each reload to its first use, where
+    its copy cannot overlap anything; the plan has already ordered the graph for memory.
     """
+    from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx
 
     patches = {"custom_partitioner_fn": partitioner, "fx_graph_cache": False}
+    if hasattr(config, "reorder_for_peak_memory"):
+        patches["reorder_for_peak_memory"] = False
     with torch._functorch.config.patch(enable_autograd_cache=False):
         return compile_fx(gm, example_inputs, config_patches=patches)
 

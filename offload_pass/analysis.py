@@ -30,7 +30,12 @@ NOT_IN_BACKWARD = "not a backward input"
 
 @dataclasses.dataclass(frozen=True)
 class SavedGroup:
-    """One storage that forward saves for backward, and the saved values viewing it."""
+    """One storage that forward saves for backward, and the saved values viewing it.
+
+    ``forward_readers``: the nodes whose kernels read the storage in forward (a fused
+    reader counts as the first node written to memory that it feeds);
+    ``last_forward_use`` is the position of the last of them.
+    """
 
     root: str
     members: tuple[str, ...]
@@ -41,6 +46,7 @@ class SavedGroup:
     nbytes: int
     produced_at: int
     last_forward_use: int
+    forward_readers: tuple[str, ...]
     first_backward_use: int
     fixed_reason: str | None
 
@@ -119,6 +125,32 @@ def aliases(root: torch.fx.Node) -> Iterator[torch.fx.Node]:
         pending.extend(user for user in node.users if is_view(user) and user.args[0] is node)
 
 
+_FUSIBLE_TAGS = frozenset(_compat.fusible_tags())
+
+
+def is_fusible(node: torch.fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and not _FUSIBLE_TAGS.isdisjoint(target.tags)
+
+
+def _consumers(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes reading ``node``'s values, looking through views."""
+    found = []
+    for user in node.users:
+        found.extend(_consumers(user) if is_view(user) and user.args[0] is node else [user])
+    return found
+
+
+def materializes(node: torch.fx.Node) -> bool:
+    """Whether the node's result is written to memory: it is not fusible, or something
+    that cannot fuse reads it."""
+    if node.op == "placeholder":
+        return True
+    if node.op != "call_function" or is_view(node):
+        return False
+    return not is_fusible(node) or not all(is_fusible(c) for c in _consumers(node))
+
+
 def _fixed_reason(
     root: torch.fx.Node,
     members: list[torch.fx.Node],
@@ -154,9 +186,33 @@ def _op_name(node: torch.fx.Node) -> str:
     return str(node.target)
 
 
-def _last_forward_use(root: torch.fx.Node, index: dict[torch.fx.Node, int]) -> int:
-    uses = [index[u] for a in aliases(root) for u in a.users if u.op != "output"]
-    return max([index[root], *uses])
+def _kernels_reading(
+    node: torch.fx.Node, known: dict[torch.fx.Node, frozenset[torch.fx.Node]]
+) -> frozenset[torch.fx.Node]:
+    """Where a node's work really happens: the node itself if its result is written to
+    memory, else every such node it feeds (a fused node is computed again inside each
+    kernel that reads it)."""
+    if node not in known:
+        if materializes(node) or node.op == "output":
+            known[node] = frozenset((node,))
+        else:
+            known[node] = frozenset(k for c in _consumers(node) for k in _kernels_reading(c, known))
+    return known[node]
+
+
+def _forward_readers(
+    root: torch.fx.Node,
+    index: dict[torch.fx.Node, int],
+    known: dict[torch.fx.Node, frozenset[torch.fx.Node]],
+) -> list[torch.fx.Node]:
+    readers = {
+        k
+        for a in aliases(root)
+        for u in a.users
+        if u.op != "output"
+        for k in _kernels_reading(u, known)
+    }
+    return sorted((r for r in readers if r.op != "output"), key=index.__getitem__)
 
 
 def find_saved_groups(chunk: ChunkGraphs) -> tuple[SavedGroup, ...]:
@@ -171,9 +227,11 @@ def find_saved_groups(chunk: ChunkGraphs) -> tuple[SavedGroup, ...]:
             by_root.setdefault(storage_root(value), []).append(value)
 
     groups = []
+    kernels: dict[torch.fx.Node, frozenset[torch.fx.Node]] = {}
     for root, members in by_root.items():
         val = root.meta["val"]
         readers = [u for m in members if m.name in bw_inputs for u in bw_inputs[m.name].users]
+        readers_fw = _forward_readers(root, fw_index, kernels)
         numel = _compat.concrete_int(val.numel()) if isinstance(val, torch.Tensor) else 0
         groups.append(
             SavedGroup(
@@ -185,7 +243,8 @@ def find_saved_groups(chunk: ChunkGraphs) -> tuple[SavedGroup, ...]:
                 dtype=val.dtype,
                 nbytes=(numel or 0) * val.element_size(),
                 produced_at=fw_index[root],
-                last_forward_use=_last_forward_use(root, fw_index),
+                last_forward_use=max([fw_index[root], *(fw_index[r] for r in readers_fw)]),
+                forward_readers=tuple(r.name for r in readers_fw),
                 first_backward_use=min((bw_index[r] for r in readers), default=len(bw_index)),
                 fixed_reason=_fixed_reason(root, members, user_outputs, bw_inputs),
             )

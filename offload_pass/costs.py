@@ -1,10 +1,12 @@
 """Cost model: what each node of a chunk takes in time, and when its memory is held.
 
 A node's duration is the larger of its FLOPs over the device's matrix rate and the bytes
-it reads and writes over the memory bandwidth. Memory is tracked per storage: allocated
-where it is produced, freed after its last use in forward or backward; the chunk's inputs
-(parameters, the batch) are resident throughout and backward's outputs (gradients) are
-kept to the end. Positions run over forward's nodes, then backward's.
+it reads and writes over the memory bandwidth. Pointwise ops and reductions fuse into
+their neighbours, as Inductor fuses them: a value that only fusible ops read is never
+written to memory, and costs neither bytes nor memory. Memory is tracked per storage:
+allocated where it is produced, freed after its last use in forward or backward; the
+chunk's inputs (parameters, the batch) are resident throughout and backward's outputs
+(gradients) are kept to the end. Positions run over forward's nodes, then backward's.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 import torch.fx
 
 from offload_pass import _compat
-from offload_pass.analysis import ChunkGraphs, is_view, storage_root
+from offload_pass.analysis import ChunkGraphs, is_view, materializes, storage_root
 from offload_pass.profiles import DeviceProfile
 
 
@@ -55,8 +57,10 @@ def node_seconds(node: torch.fx.Node, profile: DeviceProfile) -> float:
     if node.op != "call_function" or node.target is operator.getitem or is_view(node):
         return 0.0
     value = node.meta.get("val")
-    traffic = sum(tensor_bytes(arg.meta.get("val")) for arg in node.all_input_nodes)
-    traffic += sum(tensor_bytes(v) for v in _values(value))
+    read = (arg for arg in node.all_input_nodes if materializes(storage_root(arg)))
+    traffic = sum(tensor_bytes(arg.meta.get("val")) for arg in read)
+    if materializes(node):
+        traffic += sum(tensor_bytes(v) for v in _values(value))
     flops = _compat.flop_count(node)
     dtype = next((v.dtype for v in _values(value)), torch.float32)
     return max(flops / profile.matrix_rate(dtype), traffic / profile.memory_bandwidth)
@@ -103,7 +107,7 @@ def _memory_events(
     last_use: dict[torch.fx.Node, int] = {}
     for node in itertools.chain(forward, backward):
         root = storage(node)
-        if root is not None and root is node:
+        if root is not None and root is node and materializes(node):
             start[node] = position[node]
         for arg in node.all_input_nodes:
             used = storage(arg)

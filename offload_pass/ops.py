@@ -2,7 +2,10 @@
 
 ``offload_wait`` and ``reload_wait`` declare that they mutate the tensor they complete.
 That keeps them from being dropped as dead code, and orders every later read of that
-tensor after them, in the FX graph and in Inductor's schedule alike.
+tensor after them, in the FX graph and in Inductor's schedule alike. ``offload_wait``
+also declares that it mutates the device tensor, so every earlier read of it is ordered
+before the wait. ``offload_wait`` and ``reload`` take ``after``: values computed where the
+planner placed them, so no compiler pass can move them earlier than that point.
 """
 
 from collections.abc import Sequence
@@ -30,25 +33,25 @@ def _offload_fake(a: Tensor, stride: Sequence[int]) -> Tensor:
     return torch.empty_strided(a.shape, stride, dtype=a.dtype, device="cpu")
 
 
-@torch.library.custom_op("offload_pass::offload_wait", mutates_args=("h",))
-def offload_wait(h: Tensor, a: Tensor) -> None:
+@torch.library.custom_op("offload_pass::offload_wait", mutates_args=("h", "a"))
+def offload_wait(h: Tensor, a: Tensor, after: Sequence[Tensor]) -> None:
     """Make the compute stream wait until ``h`` holds ``a``; the last use of ``a``."""
     runtime.offload_wait(h, a)
 
 
 @offload_wait.register_fake
-def _offload_wait_fake(h: Tensor, a: Tensor) -> None:
+def _offload_wait_fake(h: Tensor, a: Tensor, after: Sequence[Tensor]) -> None:
     return None
 
 
 @torch.library.custom_op("offload_pass::reload", mutates_args=())
-def reload(h: Tensor, device: torch.device) -> Tensor:
+def reload(h: Tensor, device: torch.device, after: Sequence[Tensor]) -> Tensor:
     """Start copying ``h`` back to ``device`` once its offload has completed."""
     return runtime.reload(h, device)
 
 
 @reload.register_fake
-def _reload_fake(h: Tensor, device: torch.device) -> Tensor:
+def _reload_fake(h: Tensor, device: torch.device, after: Sequence[Tensor]) -> Tensor:
     return torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=device)
 
 

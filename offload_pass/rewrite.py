@@ -14,7 +14,7 @@ import torch
 import torch.fx
 
 from offload_pass import _compat, ops
-from offload_pass.analysis import ChunkGraphs, SavedGroup, view_chain
+from offload_pass.analysis import ChunkGraphs, SavedGroup, materializes, view_chain
 from offload_pass.layout import dense_strides
 from offload_pass.planner import Placement
 
@@ -35,6 +35,45 @@ def _add_node(
     return node
 
 
+def _token_before(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The latest tensor written to memory at or before ``node``, as an ordering token
+    (none if only graph inputs come before). A fused intermediate would be written out
+    just to serve as the token."""
+    while node.op not in ("placeholder", "root"):
+        transfer = node.target in (ops.OFFLOAD, ops.RELOAD)
+        if not transfer and isinstance(node.meta.get("val"), torch.Tensor) and materializes(node):
+            return [node]
+        node = node.prev
+    return []
+
+
+def _as_tensor(node: torch.fx.Node) -> torch.fx.Node | None:
+    """``node``, or for an op returning several tensors the first one taken from it."""
+    if isinstance(node.meta.get("val"), torch.Tensor):
+        return node
+    return next((u for u in node.users if isinstance(u.meta.get("val"), torch.Tensor)), None)
+
+
+def _wait_tokens(
+    group: SavedGroup,
+    nodes: dict[str, torch.fx.Node],
+    wait_after: torch.fx.Node,
+    host: dict[str, torch.fx.Node],
+) -> list[torch.fx.Node]:
+    """What an offload_wait must come after: every kernel reading the storage, and the
+    point the planner chose. (Depending on the readers' results keeps a compiler from
+    computing a fused read after the wait.) A moved storage stands in by its host copy,
+    so its own wait stays its last use."""
+    order = {n: i for i, n in enumerate(wait_after.graph.nodes)}
+    readers = [_as_tensor(nodes[name]) for name in group.forward_readers]
+    found = [host.get(t.name, t) for t in [*readers, *_token_before(wait_after)] if t is not None]
+    return [
+        t
+        for t in dict.fromkeys(found)
+        if t is not nodes[group.root] and order[t] <= order[wait_after]
+    ]
+
+
 def rewrite_forward(
     forward: torch.fx.GraphModule,
     groups: dict[str, SavedGroup],
@@ -50,10 +89,14 @@ def rewrite_forward(
         with graph.inserting_after(root):
             stride = dense_strides(root.meta["val"])
             host[p.root] = _add_node(graph, ops.OFFLOAD, (root, stride), root)
+    tokens = {
+        p.root: _wait_tokens(groups[p.root], nodes, nodes[p.wait_after], host) for p in placements
+    }
     for p in reversed(placements):
         anchor = host.get(p.wait_after, nodes[p.wait_after])
+        args = (host[p.root], nodes[p.root], tokens[p.root])
         with graph.inserting_after(anchor):
-            _add_node(graph, ops.OFFLOAD_WAIT, (host[p.root], nodes[p.root]), nodes[p.root])
+            _add_node(graph, ops.OFFLOAD_WAIT, args, nodes[p.root])
 
     output = graph.output_node()
     outputs = list(output.args[0])
@@ -91,12 +134,13 @@ def rewrite_backward(
         host_inputs[p.root] = host_input
 
     position = {name: i for i, name in enumerate(nodes)}
+    tokens = {p.root: _token_before(nodes[p.reload_before].prev) for p in placements}
     by_first_use = sorted(placements, key=lambda p: position[p.first_use])
     for p in by_first_use:
         root = fw_nodes[p.root]
-        device = root.meta["val"].device
+        args = (host_inputs[p.root], root.meta["val"].device, tokens[p.root])
         with graph.inserting_before(nodes[p.reload_before]):
-            loaded = _add_node(graph, ops.RELOAD, (host_inputs[p.root], device), root)
+            loaded = _add_node(graph, ops.RELOAD, args, root)
         with graph.inserting_before(nodes[p.first_use]):
             _add_node(graph, ops.RELOAD_WAIT, (loaded,), root)
             for member in groups[p.root].members:

@@ -9,7 +9,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from offload_pass.analysis import ChunkGraphs
-from offload_pass.costs import estimate_costs, node_seconds
+from offload_pass.costs import estimate_costs, materializes, node_seconds
 from offload_pass.profiles import BUILT_IN, DeviceProfile
 from offload_pass.simulate import peak_bytes
 
@@ -47,9 +47,18 @@ def test_a_matrix_product_is_priced_by_its_flops():
 
 
 def test_an_elementwise_op_is_priced_by_the_bytes_it_moves():
+    backward = _chunk().backward.graph
+    mul = _node(backward, torch.ops.aten.mul.Tensor)
+    slow_memory = dataclasses.replace(PROFILE, memory_bandwidth=388.0)
+    assert materializes(mul)
+    assert node_seconds(mul, slow_memory) == pytest.approx(1.0)  # reads 192 + 4 B, writes 192 B
+
+
+def test_an_elementwise_op_that_fuses_into_a_reduction_writes_nothing():
     relu = _node(_chunk().forward.graph, torch.ops.aten.relu.default)
-    slow_memory = dataclasses.replace(PROFILE, memory_bandwidth=384.0)
-    assert node_seconds(relu, slow_memory) == pytest.approx(1.0)  # reads 192 B, writes 192 B
+    slow_memory = dataclasses.replace(PROFILE, memory_bandwidth=192.0)
+    assert not materializes(relu)
+    assert node_seconds(relu, slow_memory) == pytest.approx(1.0)  # reads y, 192 B
 
 
 def test_views_and_placeholders_cost_nothing():
@@ -62,10 +71,10 @@ def test_memory_timeline_follows_each_storage_from_producer_to_last_use():
     # forward: x, w, mm, relu, sum, output; backward: y, tangent, mul, output.
     costs = estimate_costs(_chunk(), PROFILE)
     assert costs.resident_bytes == 6 * 4 * 4 + 4 * 8 * 4
-    assert costs.allocated == (0, 0, 192, 192, 4, 0, 0, 4, 192, 0)
-    # relu dies after sum; y and the tangent after mul; sum (a user output) and the
-    # gradient (a backward output) are kept to the end.
-    assert costs.freed == (0, 0, 0, 0, 192, 0, 0, 0, 192 + 4, 4 + 192)
+    # relu fuses into sum and takes no memory; y and the tangent die after mul; sum (a
+    # user output) and the gradient (a backward output) are kept to the end.
+    assert costs.allocated == (0, 0, 192, 0, 4, 0, 0, 4, 192, 0)
+    assert costs.freed == (0, 0, 0, 0, 0, 0, 0, 0, 192 + 4, 4 + 192)
     assert costs.backward_inputs == 2
     # the peak is while mul runs: y, the loss, the tangent and the gradient are live
     assert peak_bytes(costs, ()) == costs.resident_bytes + 192 + 4 + 4 + 192

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -11,6 +12,7 @@ from torch._inductor.utils import run_and_get_code
 
 import offload_pass
 from offload_pass import ops
+from offload_pass.profiles import BUILT_IN
 from tests import models
 from tests.conftest import compiled_pair, train_step
 
@@ -33,7 +35,7 @@ def test_each_offload_is_waited_on_after_its_last_forward_use(plan):
     offloads = _nodes(graph, ops.OFFLOAD)
     assert len(offloads) == len(plan.moved)
     for offload in offloads:
-        (wait,) = [u for u in offload.users if u.target is ops.OFFLOAD_WAIT]
+        (wait,) = [u for u in offload.users if u.target is ops.OFFLOAD_WAIT and u.args[0] is offload]
         device_tensor = offload.args[0]
         assert order[device_tensor] < order[offload] < order[wait] < order[output]
         assert wait.args[1] is device_tensor
@@ -60,6 +62,16 @@ def test_backward_reads_host_tensors_and_waits_before_first_use(plan):
     moved_roots = {d.group.root for d in plan.moved}
     placeholder_names = {n.name for n in graph.find_nodes(op="placeholder")}
     assert not moved_roots & placeholder_names, "backward must not take the device tensor"
+
+
+def _calls(lines: list[str]) -> list[str]:
+    """Lines of generated code that run something (not a free, reuse, check or comment)."""
+    skipped = ("assert_", "#", "del ")
+    return [
+        line
+        for line in lines
+        if line.strip() and not line.strip().startswith(skipped) and "# reuse" not in line
+    ]
 
 
 def _alias(code: str, buffer: str) -> str:
@@ -96,6 +108,9 @@ def test_inductor_keeps_the_order_in_generated_code(device):
         issued = forward_code.index(f"{host} = torch.ops.offload_pass.offload")
         waited = forward_code.index(f"offload_wait.default({_alias(forward_code, host)}")
         assert produced < issued < waited
+        later = forward_code[waited:].splitlines()[1:]
+        reads = [line for line in _calls(later) if re.search(rf"\b{device_buffer}\b", line)]
+        assert not reads, f"{device_buffer} read after its offload_wait: {reads}"
 
     reloads = re.findall(r"(\w+) = torch\.ops\.offload_pass\.reload\.default\(", backward_code)
     assert len(reloads) == len(backend.plans[0].moved)
@@ -113,3 +128,42 @@ def test_inductor_keeps_the_order_in_generated_code(device):
             if not line.strip().startswith(("assert_", "#"))
         )
         assert re.search(rf"[(, ]{buffer}[,)]", between) is None, "read before reload_wait"
+
+
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+
+def _matmuls_before(graph: torch.fx.Graph, target) -> list[int]:
+    count, counts = 0, []
+    for node in graph.nodes:
+        count += node.target in _MATMULS
+        if node.target is target:
+            counts.append(count)
+    return counts
+
+
+def _code_matmuls_before(code: str, call: str) -> list[int]:
+    body = code[code.index("def call(") :]
+    count, counts = 0, []
+    for line in _calls(body.splitlines()):
+        count += bool(re.search(r"extern_kernels\.(mm|addmm|bmm)\(", line))
+        counts += [count] if call in line else []
+    return counts
+
+
+def test_inductor_issues_each_transfer_where_the_plan_placed_it():
+    """Counted in matrix products before it, every wait and reload sits in Inductor's code
+    where it sits in the rewritten graph: no pass hoisted or sank it."""
+    instant_copies = dataclasses.replace(BUILT_IN["h200"], device_to_host=1e15, host_to_device=1e15)
+    model, _, backend = compiled_pair(
+        lambda: models.BlockStack(depth=3), "inductor", fraction=1.0, profile=instant_copies
+    )
+    _, (forward_code, backward_code) = run_and_get_code(
+        lambda: train_step(model, torch.randn(2, 16, 32))
+    )
+    plan = backend.plans[0]
+    reloads = _matmuls_before(plan.backward.graph, ops.RELOAD)
+    assert len(set(reloads)) > 2, "the plan should spread reloads through backward"
+    assert _code_matmuls_before(backward_code, "offload_pass.reload.default(") == reloads
+    waits = _matmuls_before(plan.forward.graph, ops.OFFLOAD_WAIT)
+    assert sorted(_code_matmuls_before(forward_code, "offload_wait.default(")) == sorted(waits)

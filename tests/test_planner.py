@@ -43,6 +43,7 @@ def group(i: int, nbytes: int, module: str = "blocks.0") -> SavedGroup:
         nbytes=nbytes,
         produced_at=i,
         last_forward_use=i + 1,
+        forward_readers=(f"n{i + 1}",),
         first_backward_use=NODES - i,
         fixed_reason=None,
     )
