@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -118,19 +116,18 @@ def builtin_offload(streams: bool) -> Callable[[nn.Module, dict[str, Any]], Forw
 
 
 def _torchtune_offloading() -> type:
-    """torchtune's OffloadActivations, loaded from its module file alone: the torchtune
-    package's own import pulls in data-set and tokenizer libraries it does not need."""
-    spec = importlib.util.find_spec("torchtune")
-    if spec is None or spec.submodule_search_locations is None:
-        raise Unavailable("torchtune is not installed")
-    path = Path(next(iter(spec.submodule_search_locations))) / "training/_activation_offloading.py"
-    module_spec = importlib.util.spec_from_file_location("torchtune_activation_offloading", path)
-    module = importlib.util.module_from_spec(module_spec)
     try:
-        module_spec.loader.exec_module(module)
+        from torchtune.training import OffloadActivations
     except ImportError as error:
-        raise Unavailable(f"torchtune's offloading does not import: {error}") from error
-    return module.OffloadActivations
+        raise Unavailable(f"torchtune does not import here: {error}") from error
+    return OffloadActivations
+
+
+def _megatron_gpt(model: nn.Module, shared: dict[str, Any]) -> Forward:
+    raise Unavailable(
+        "megatron-core is not run by this harness: its GPT at these dimensions needs "
+        "Transformer Engine and a model-parallel process group, neither installed here"
+    )
 
 
 def torchtune_offload(model: nn.Module, shared: dict[str, Any]) -> Forward:
@@ -173,4 +170,6 @@ def all_configs() -> list[Config]:
         Config("builtin sync", "builtin offload", builtin_offload(streams=False), cuda_only=True),
         Config("builtin streams", "builtin offload", builtin_offload(streams=True), cuda_only=True),
         Config("torchtune streams", "torchtune", torchtune_offload, cuda_only=True),
+        Config("megatron-core fraction 0.5", "megatron-core", _megatron_gpt, cuda_only=True),
+        Config("megatron-core fraction 1", "megatron-core", _megatron_gpt, cuda_only=True),
     ]

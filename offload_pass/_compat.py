@@ -65,8 +65,17 @@ def compile_with_inductor(
         return compile_fx(gm, example_inputs, config_patches=patches)
 
 
+def inductor_decompositions() -> dict[Any, Callable[..., Any]]:
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
 def compile_with_eager(
-    gm: torch.fx.GraphModule, example_inputs: Sequence[object], partition: PartitionFn
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[object],
+    partition: PartitionFn,
+    decompositions: dict[Any, Callable[..., Any]] | None = None,
 ) -> Callable[..., Any]:
     """AOTAutograd with ``partition``, running the rewritten graphs as plain FX code."""
     from functorch.compile import make_boxed_func
@@ -74,7 +83,12 @@ def compile_with_eager(
     def run_graph(graph: torch.fx.GraphModule, _: Sequence[object]) -> Any:
         return make_boxed_func(graph.forward)
 
-    backend = aot_autograd(fw_compiler=run_graph, bw_compiler=run_graph, partition_fn=partition)
+    backend = aot_autograd(
+        fw_compiler=run_graph,
+        bw_compiler=run_graph,
+        partition_fn=partition,
+        decompositions=decompositions or {},
+    )
     with torch._functorch.config.patch(enable_autograd_cache=False):
         return backend(gm, example_inputs)
 

@@ -39,7 +39,11 @@ class _PlanOnly:
         self.backend = backend
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> Callable:
-        _compat.compile_with_eager(gm, example_inputs, self.backend.partitioner_for(gm))
+        """Partition and plan as the chosen compiler would (Inductor decomposes ops first)."""
+        inductor = self.backend.options.compiler == "inductor"
+        decompositions = _compat.inductor_decompositions() if inductor else None
+        partitioner = self.backend.partitioner_for(gm)
+        _compat.compile_with_eager(gm, example_inputs, partitioner, decompositions)
         return _stand_ins(gm)
 
 

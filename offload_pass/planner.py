@@ -5,15 +5,16 @@ Selection, per chunk:
   module's candidate bytes, the candidates with the longest overlap window first;
 - ``auto`` moves what hides: forward's copies in production order while the
   device-to-host queue finishes by the end of forward, then backward's reloads, latest
-  needed first, while the host-to-device queue can bring each back before its first use;
-  together within ``stall_tolerance`` of the step;
+  needed first, while the host-to-device queue brings each back before its first use,
+  or late by no more than ``stall_tolerance`` of the step in all;
 - ``memory_budget`` moves the fewest candidates, those ``auto`` would move first, that
   bring the predicted peak under the budget.
 
 Placement: each offload right after its producer; its wait at the first node by which the
 copy is predicted complete (and not before the last forward use); reloads as late as they
-can start and still finish before first use, in first-use order. Placement prices copies
-``PLACEMENT_MARGIN`` times slower than predicted so small errors do not stall.
+can start and still finish before first use, in first-use order. Selection prices copies
+as predicted; placement prices them ``PLACEMENT_MARGIN`` times slower, so that a wait or a
+reload placed by a slightly optimistic prediction still does not stall.
 """
 
 from __future__ import annotations
@@ -157,26 +158,30 @@ def _hides(
     clocks: _Clocks,
     tolerance: float,
 ) -> set[str]:
-    """The candidates ``auto`` moves alongside ``forced``, whose copies hide."""
+    """The candidates ``auto`` moves alongside ``forced``.
+
+    Forward: an offload must finish before forward does; one that finishes later is
+    waited for at forward's end, still held at the peak there, and saves nothing.
+    Backward: reloads may make compute wait up to ``tolerance`` of the step in all.
+    """
     if not costs.profile.copies_overlap_compute:
         return set()
-    allowance = tolerance * (sum(costs.forward_seconds) + sum(costs.backward_seconds))
     forced_roots = {g.root for g in forced}
     queue_free = 0.0
     forward_ok = []
     for g in sorted([*candidates, *forced], key=lambda g: g.produced_at):
         start = max(clocks.forward_end[g.produced_at], queue_free)
-        end = start + PLACEMENT_MARGIN * costs.offload_seconds(g.nbytes)
-        if g.root in forced_roots or end <= clocks.forward_seconds + allowance:
+        end = start + costs.offload_seconds(g.nbytes)
+        if g.root in forced_roots or end <= clocks.forward_seconds:
             queue_free = end
             forward_ok.append(g)
-    allowance -= max(0.0, queue_free - clocks.forward_seconds)
 
+    allowance = tolerance * (sum(costs.forward_seconds) + sum(costs.backward_seconds))
     chain = float("inf")
     hidden = set()
     for g in sorted(forward_ok, key=lambda g: (-g.first_backward_use, -g.produced_at)):
         start = min(chain, clocks.backward_start[g.first_backward_use])
-        start -= PLACEMENT_MARGIN * costs.reload_seconds(g.nbytes)
+        start -= costs.reload_seconds(g.nbytes)
         if g.root in forced_roots or start >= -allowance:
             chain = start
             hidden.add(g.root)

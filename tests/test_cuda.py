@@ -33,7 +33,7 @@ def _reload_after_stalled_offload() -> tuple[bool, bool]:
     torch.cuda.synchronize()
     _stall(runtime.copy_streams(a.device).device_to_host)
     h = ops.offload(a, a.stride())
-    g = ops.reload(h, a.device)
+    g = ops.reload(h, a.device, [])
     in_flight = not runtime._offload_done[h.untyped_storage().data_ptr()].query()
     ops.reload_wait(g)
     same = torch.equal(g, a)

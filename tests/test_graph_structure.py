@@ -35,7 +35,9 @@ def test_each_offload_is_waited_on_after_its_last_forward_use(plan):
     offloads = _nodes(graph, ops.OFFLOAD)
     assert len(offloads) == len(plan.moved)
     for offload in offloads:
-        (wait,) = [u for u in offload.users if u.target is ops.OFFLOAD_WAIT and u.args[0] is offload]
+        (wait,) = [
+            u for u in offload.users if u.target is ops.OFFLOAD_WAIT and u.args[0] is offload
+        ]
         device_tensor = offload.args[0]
         assert order[device_tensor] < order[offload] < order[wait] < order[output]
         assert wait.args[1] is device_tensor

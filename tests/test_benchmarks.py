@@ -1,0 +1,36 @@
+"""The benchmark harness runs end to end on a tiny model, so it cannot rot."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import compare
+
+CONFIGS = ["compiled", "offload_pass fraction 0.5", "checkpoint blocks", "save_on_cpu"]
+
+
+def test_harness_runs_on_a_tiny_model_and_writes_its_results(tmp_path):
+    results = compare.main(
+        [
+            "--workloads",
+            "tiny",
+            "--steps",
+            "2",
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path),
+            "--configs",
+            *CONFIGS,
+        ]
+    )
+    rows = {r["config"]: r for r in results["workloads"]["tiny"]["rows"]}
+    assert set(rows) == set(CONFIGS)
+    assert rows["compiled"]["status"] == "ok" and rows["compiled"]["step_ratio"] == 1.0
+    assert rows["offload_pass fraction 0.5"]["status"] == "ok"
+    assert rows["offload_pass fraction 0.5"]["predicted_step_ms"] > 0
+    assert rows["save_on_cpu"]["status"] == "needs a CUDA device"
+    (written,) = tmp_path.glob("*.json")
+    assert json.loads(written.read_text())["workloads"]["tiny"]["rows"]
+    (table,) = tmp_path.glob("*.md")
+    assert "offload_pass fraction 0.5" in table.read_text()
