@@ -19,6 +19,7 @@ from typing import Any
 import tabulate
 import torch
 
+import offload_pass
 from benchmarks import configs, workloads
 from benchmarks.measure import Measurement, measure
 from offload_pass.report import format_model
@@ -205,6 +206,25 @@ def _pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]
     return front
 
 
+def profile_auto(name: str, device: torch.device) -> str:
+    """offload_pass auto's predicted copies, step and peak against a profiled step."""
+    if device.type != "cuda":
+        return "(measured-versus-predicted comparison needs a CUDA device)"
+    from offload_pass.validate import compare_with_profile
+
+    workload = {w.name: w for w in (workloads.W1, workloads.W2, workloads.TINY)}[name]
+    torch.compiler.reset()
+    model, x = workloads.build(workload, device)
+    backend = offload_pass.backend()
+    compiled = torch.compile(workloads.WithLoss(model), backend=backend)
+
+    def step() -> None:
+        compiled(x).backward()
+        model.zero_grad(set_to_none=True)
+
+    return str(compare_with_profile(step, backend.plans))
+
+
 def run_workload(
     name: str, wanted: Sequence[str], steps: int, device: torch.device, show_plans: bool = False
 ) -> list[Measurement]:
@@ -251,8 +271,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             run_workload(name, args.configs, args.steps, device, args.show_plans), hardware
         )
         targets = check_targets(rows)
-        results["workloads"][name] = {"rows": rows, "targets": targets}
+        comparison = (
+            profile_auto(name, device)
+            if "offload_pass auto" in args.configs or not args.configs
+            else ""
+        )
+        results["workloads"][name] = {"rows": rows, "targets": targets, "auto_profiled": comparison}
         report.append(markdown(name, rows, targets))
+        if comparison:
+            report.append(
+                f"### offload_pass auto, predicted against profiled\n\n```\n{comparison}\n```\n"
+            )
         print(report[-1], flush=True)
 
     args.out.mkdir(parents=True, exist_ok=True)

@@ -204,3 +204,14 @@ def flop_count(node: torch.fx.Node) -> int:
 
 
 _FLOP_FORMULAS = _flop_formulas()
+
+
+def register_log_name(name: str) -> None:
+    """Let ``TORCH_LOGS=<name>`` turn on the ``logging`` logger ``name``, where this torch
+    offers it; plain ``logging`` configuration works everywhere."""
+    try:
+        from torch._logging._internal import log_registry, register_log
+    except ImportError:
+        return
+    if name not in log_registry.log_alias_to_log_qnames:
+        register_log(name, name)

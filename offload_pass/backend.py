@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -57,6 +58,7 @@ def backend(
     profile: DeviceProfile | str | None = None,
     min_bytes: int = DEFAULT_MIN_BYTES,
     compiler: str = "inductor",
+    dump_dir: str | os.PathLike[str] | None = None,
 ) -> OffloadBackend:
     """A torch.compile backend that offloads saved activations to pinned host memory.
 
@@ -77,9 +79,11 @@ def backend(
             measure the CUDA device once per process, or None to pick by device name.
         min_bytes: activations smaller than this stay on the device.
         compiler: ``"inductor"``, or ``"eager"`` to run the rewritten graphs unfused.
+        dump_dir: a folder to write each chunk's report, rewritten graphs and predicted
+            trace into (``$OFFLOAD_PASS_DUMP`` when not given).
     """
     options = OffloadOptions.create(
-        fraction, memory_budget, stall_tolerance, profile, min_bytes, compiler
+        fraction, memory_budget, stall_tolerance, profile, min_bytes, compiler, dump_dir
     )
     return OffloadBackend(options)
 

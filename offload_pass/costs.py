@@ -26,7 +26,8 @@ from offload_pass.profiles import DeviceProfile
 @dataclasses.dataclass(frozen=True)
 class ChunkCosts:
     """Per position: seconds of each forward and backward node; bytes ``allocated`` when
-    it runs and ``freed`` after it. ``backward_inputs``: backward's leading placeholders."""
+    it runs and ``freed`` after it. ``backward_inputs``: backward's leading placeholders.
+    ``forward_names``/``backward_names``: the node at each position."""
 
     profile: DeviceProfile
     forward_seconds: tuple[float, ...]
@@ -35,6 +36,8 @@ class ChunkCosts:
     allocated: tuple[int, ...]
     freed: tuple[int, ...]
     backward_inputs: int
+    forward_names: tuple[str, ...] = ()
+    backward_names: tuple[str, ...] = ()
 
     @property
     def num_forward(self) -> int:
@@ -85,6 +88,8 @@ def estimate_costs(chunk: ChunkGraphs, profile: DeviceProfile) -> ChunkCosts:
         allocated=allocated,
         freed=freed,
         backward_inputs=sum(n.op == "placeholder" for n in backward),
+        forward_names=tuple(n.name for n in forward),
+        backward_names=tuple(n.name for n in backward),
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import os
 import weakref
 from collections.abc import Iterable, Mapping
 from typing import Literal
@@ -45,6 +46,7 @@ class OffloadOptions:
     profile: DeviceProfile | str | None = None
     min_bytes: int = DEFAULT_MIN_BYTES
     compiler: Compiler = "inductor"
+    dump_dir: str | None = None
 
     @classmethod
     def create(
@@ -55,6 +57,7 @@ class OffloadOptions:
         profile: DeviceProfile | str | None = None,
         min_bytes: int = DEFAULT_MIN_BYTES,
         compiler: str = "inductor",
+        dump_dir: str | os.PathLike[str] | None = None,
     ) -> OffloadOptions:
         if fraction is not None and memory_budget is not None:
             raise ValueError("give either fraction or memory_budget, not both")
@@ -80,6 +83,7 @@ class OffloadOptions:
             check_profile_spec(profile),
             min_bytes,
             compiler,  # type: ignore[arg-type]
+            _check_dump_dir(dump_dir),
         )
 
     @property
@@ -97,6 +101,14 @@ class OffloadOptions:
                     f"fraction pattern {pattern!r} matches no module of the compiled "
                     f"model (module paths look like {example})"
                 )
+
+
+def _check_dump_dir(folder: object) -> str | None:
+    if folder is None:
+        return None
+    if not isinstance(folder, (str, os.PathLike)):
+        raise TypeError(f"dump_dir must be a path, got {folder!r}")
+    return os.fspath(folder)
 
 
 def _check_budget(budget: object) -> int | float | None:

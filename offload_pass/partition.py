@@ -8,7 +8,7 @@ from typing import Any
 
 import torch.fx
 
-from offload_pass import _compat
+from offload_pass import _compat, dump
 from offload_pass.analysis import ChunkGraphs, find_saved_groups
 from offload_pass.costs import estimate_costs
 from offload_pass.options import FractionRule, OffloadOptions
@@ -40,7 +40,7 @@ def offload_chunk(chunk: ChunkGraphs, options: OffloadOptions, name: str) -> Pla
     moved = [d.group for d in planned.decisions if d.moved]
     placed = placements(planned.transfers, chunk.forward.graph, chunk.backward.graph)
     insert_transfers(chunk, moved, placed)
-    return Plan(name, profile, planned, placed, chunk.forward, chunk.backward)
+    return Plan(name, costs, planned, placed, chunk.forward, chunk.backward)
 
 
 class OffloadPartitioner(_compat.PartitionerBase):
@@ -56,7 +56,9 @@ class OffloadPartitioner(_compat.PartitionerBase):
     ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
         forward, backward = _compat.stock_partition(joint, joint_inputs, **kwargs)
         chunk = ChunkGraphs(forward, backward, kwargs["num_fwd_outputs"])
-        self.on_plan(offload_chunk(chunk, self.options, self.name))
+        plan = offload_chunk(chunk, self.options, self.name)
+        dump.record(plan, dump.dump_dir(self.options.dump_dir))
+        self.on_plan(plan)
         return forward, backward
 
     def uuid(self) -> None:

@@ -6,6 +6,7 @@ import dataclasses
 
 import torch.fx
 
+from offload_pass.costs import ChunkCosts
 from offload_pass.planner import ChunkPlan, Decision, Placement
 from offload_pass.profiles import DeviceProfile
 from offload_pass.simulate import CopyPrediction, Prediction
@@ -21,11 +22,15 @@ class Plan:
     """
 
     chunk: str
-    profile: DeviceProfile
+    costs: ChunkCosts
     planned: ChunkPlan
     placements: tuple[Placement, ...]
     forward: torch.fx.GraphModule
     backward: torch.fx.GraphModule
+
+    @property
+    def profile(self) -> DeviceProfile:
+        return self.costs.profile
 
     @property
     def decisions(self) -> tuple[Decision, ...]:

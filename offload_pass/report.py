@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Sequence
 
 import tabulate
+import torch.fx
 
 from offload_pass import analysis, planner
 from offload_pass.plan import Plan
@@ -151,3 +152,27 @@ class ModelReport:
 
     def __str__(self) -> str:
         return format_model(self.plans)
+
+
+STREAM_NOTES = {
+    "offload_pass.offload.default": "device-to-host stream: waits for compute to here, copies",
+    "offload_pass.offload_wait.default": "compute waits for that copy; frees the device tensor",
+    "offload_pass.reload.default": "host-to-device stream: waits for compute and the offload",
+    "offload_pass.reload_wait.default": "compute waits for the reload",
+}
+
+
+def annotated_code(graph: torch.fx.GraphModule) -> str:
+    """The graph as Python code, each transfer op marked with the stream it runs on."""
+    lines = []
+    for line in graph.code.splitlines():
+        note = next((n for op, n in STREAM_NOTES.items() if op in line), None)
+        lines.append(f"{line}  # <<< {note}" if note else line)
+    return "\n".join(lines)
+
+
+def format_graphs(plan: Plan) -> str:
+    return (
+        f"# {plan.chunk}: forward, as rewritten\n{annotated_code(plan.forward)}\n\n"
+        f"# {plan.chunk}: backward, as rewritten\n{annotated_code(plan.backward)}\n"
+    )

@@ -12,10 +12,11 @@ wait is a no-op, so CPU tests run the same graphs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -58,6 +59,22 @@ def counts() -> TransferCounts:
     )
 
 
+@contextlib.contextmanager
+def _named(name: str, device: torch.device) -> Iterator[None]:
+    """A range named ``offload_pass::<name>`` in torch.profiler traces, and in Nsight
+    traces (NVTX) on CUDA."""
+    label = f"offload_pass::{name}"
+    with torch.profiler.record_function(label):
+        if device.type != "cuda":
+            yield
+            return
+        torch.cuda.nvtx.range_push(label)
+        try:
+            yield
+        finally:
+            torch.cuda.nvtx.range_pop()
+
+
 def copy_streams(device: torch.device) -> CopyStreams:
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _lock:
@@ -87,6 +104,11 @@ def _host_buffer(a: torch.Tensor, stride: Sequence[int]) -> torch.Tensor:
 
 
 def offload(a: torch.Tensor, stride: Sequence[int]) -> torch.Tensor:
+    with _named("offload", a.device):
+        return _offload(a, stride)
+
+
+def _offload(a: torch.Tensor, stride: Sequence[int]) -> torch.Tensor:
     h = _host_buffer(a, stride)
     event = None
     if a.device.type == "cuda":
@@ -114,9 +136,10 @@ def _offload_event(h: torch.Tensor) -> torch.cuda.Event | None:
 
 
 def offload_wait(h: torch.Tensor, a: torch.Tensor) -> None:
-    event = _offload_event(h)
-    if event is not None:
-        torch.cuda.current_stream(a.device).wait_event(event)
+    with _named("offload_wait", a.device):
+        event = _offload_event(h)
+        if event is not None:
+            torch.cuda.current_stream(a.device).wait_event(event)
 
 
 def wait_for_offload(stream: torch.cuda.Stream, h: torch.Tensor) -> None:
@@ -127,6 +150,11 @@ def wait_for_offload(stream: torch.cuda.Stream, h: torch.Tensor) -> None:
 
 
 def reload(h: torch.Tensor, device: torch.device) -> torch.Tensor:
+    with _named("reload", device):
+        return _reload(h, device)
+
+
+def _reload(h: torch.Tensor, device: torch.device) -> torch.Tensor:
     g = torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=device)
     event = None
     if device.type == "cuda":
@@ -150,4 +178,5 @@ def reload_wait(g: torch.Tensor) -> None:
         raise OffloadError("reload_wait on a tensor that no pending reload produced")
     event = _reload_done.pop(key)
     if event is not None:
-        torch.cuda.current_stream(g.device).wait_event(event)
+        with _named("reload_wait", g.device):
+            torch.cuda.current_stream(g.device).wait_event(event)

@@ -58,6 +58,9 @@ class CopyPrediction:
 
 @dataclasses.dataclass(frozen=True)
 class Prediction:
+    """One step as simulated; times in seconds from the start of forward.
+    ``forward_starts``/``backward_starts``: when each node starts computing."""
+
     forward_seconds: float
     backward_seconds: float
     stall_seconds: float
@@ -65,6 +68,8 @@ class Prediction:
     baseline_seconds: float
     baseline_peak_bytes: int
     copies: tuple[CopyPrediction, ...]
+    forward_starts: tuple[float, ...] = ()
+    backward_starts: tuple[float, ...] = ()
 
     @property
     def step_seconds(self) -> float:
@@ -129,7 +134,9 @@ def simulate(costs: ChunkCosts, transfers: Sequence[Transfer]) -> Prediction:
     reloads, needs = _by(transfers, "reload_at"), _by(transfers, "need_at")
 
     d2h_free = 0.0
+    forward_starts = []
     for i, seconds in enumerate(costs.forward_seconds):
+        forward_starts.append(streams.clock)
         streams.clock += seconds
         for t in offloads.get(i, ()):
             c = copies[t.root]
@@ -142,6 +149,7 @@ def simulate(costs: ChunkCosts, transfers: Sequence[Transfer]) -> Prediction:
     forward_end = streams.clock
 
     h2d_free = 0.0
+    backward_starts = []
     for j, seconds in enumerate(costs.backward_seconds):
         for t in sorted(reloads.get(j, ()), key=lambda t: t.need_at):
             c = copies[t.root]
@@ -151,6 +159,7 @@ def simulate(costs: ChunkCosts, transfers: Sequence[Transfer]) -> Prediction:
             h2d_free = c.reload_end
         for t in needs.get(j, ()):
             copies[t.root].stall += streams.wait_for(copies[t.root].reload_end)
+        backward_starts.append(streams.clock)
         streams.clock += seconds
 
     baseline = sum(costs.forward_seconds) + sum(costs.backward_seconds)
@@ -173,4 +182,6 @@ def simulate(costs: ChunkCosts, transfers: Sequence[Transfer]) -> Prediction:
             )
             for c in copies.values()
         ),
+        forward_starts=tuple(forward_starts),
+        backward_starts=tuple(backward_starts),
     )
