@@ -13,8 +13,10 @@ Selection, per chunk:
 Placement: each offload right after its producer; its wait at the first node by which the
 copy is predicted complete (and not before the last forward use); reloads as late as they
 can start and still finish before first use, in first-use order. Selection prices copies
-as predicted; placement prices them ``PLACEMENT_MARGIN`` times slower, so that a wait or a
-reload placed by a slightly optimistic prediction still does not stall.
+as predicted; placement prices them slower (``OFFLOAD_MARGIN``, ``RELOAD_MARGIN``), so that
+a wait or a reload placed by a slightly optimistic prediction still does not stall. Reloads
+get the wider margin: on an H200, W1's backward stalled 5 ms with 5% (docs/
+gpu-validation.md), and a reload issued early costs little memory late in backward.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from offload_pass.analysis import SavedGroup
 from offload_pass.costs import ChunkCosts
 from offload_pass.simulate import Prediction, Transfer, peak_bytes, simulate
 
-PLACEMENT_MARGIN = 1.05
+OFFLOAD_MARGIN = 1.05
+RELOAD_MARGIN = 1.25
 
 MOVED = "moved"
 TOO_SMALL = "too small"
@@ -126,7 +129,7 @@ def place(groups: Sequence[SavedGroup], costs: ChunkCosts, clocks: _Clocks) -> l
     wait_at = {}
     for g in sorted(groups, key=lambda g: g.produced_at):
         start = max(clocks.forward_end[g.produced_at], queue_free)
-        queue_free = start + PLACEMENT_MARGIN * costs.offload_seconds(g.nbytes)
+        queue_free = start + OFFLOAD_MARGIN * costs.offload_seconds(g.nbytes)
         done = bisect.bisect_left(clocks.forward_end, queue_free, lo=g.last_forward_use)
         wait_at[g.root] = min(done, last_forward)
 
@@ -134,7 +137,7 @@ def place(groups: Sequence[SavedGroup], costs: ChunkCosts, clocks: _Clocks) -> l
     reload_at = {}
     for g in sorted(groups, key=lambda g: (-g.first_backward_use, -g.produced_at)):
         chain = min(chain, clocks.backward_start[g.first_backward_use])
-        chain -= PLACEMENT_MARGIN * costs.reload_seconds(g.nbytes)
+        chain -= RELOAD_MARGIN * costs.reload_seconds(g.nbytes)
         issue = bisect.bisect_right(clocks.backward_start, chain) - 1
         reload_at[g.root] = min(max(issue, clocks.first_backward_compute), g.first_backward_use)
 

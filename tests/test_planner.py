@@ -197,7 +197,8 @@ def test_waits_sit_where_copies_are_predicted_done():
 def test_reloads_are_issued_as_late_as_they_can_still_hide():
     result = plan(THREE)
     reload_at = {t.root: t.reload_at for t in result.transfers}
-    # a0 is needed at 9 ms and takes 4.2 ms with the margin: issued before node 5 (4 ms).
+    # a0 is needed at 9 ms and takes 5 ms with the reload margin: issued before node 5
+    # (4 ms).
     assert reload_at["a0"] == 5
     assert reload_at["a1"] == 1
 
