@@ -45,3 +45,38 @@ def test_concrete_int_reads_symbolic_hints():
 
 def test_no_root_modules_outside_dynamo():
     assert _compat.root_modules_being_compiled() == {}
+
+
+def test_fusible_tags_when_torch_has_both():
+    assert _compat.fusible_tags() == (torch.Tag.pointwise, torch.Tag.reduction)
+
+
+def test_fusible_tags_on_a_torch_without_the_reduction_tag():
+    older = types.SimpleNamespace(pointwise="pointwise")
+    assert _compat.fusible_tags(older) == ("pointwise",)
+
+
+def test_flop_count_uses_torch_formulas_and_covers_cpu_attention():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def attend(q, a, b):
+        return torch.mm(q[0, 0], a), torch.nn.functional.scaled_dot_product_attention(q, q, q)
+
+    q = torch.randn(2, 4, 8, 16)
+    graph = make_fx(attend, tracing_mode="fake")(q, torch.randn(16, 8), torch.randn(1)).graph
+    counts = {str(n.target): _compat.flop_count(n) for n in graph.nodes if n.op == "call_function"}
+    assert counts["aten.mm.default"] == 2 * 8 * 16 * 8
+    attention = [c for name, c in counts.items() if "scaled_dot_product" in name]
+    assert attention and max(attention) == 4 * 2 * 4 * 8 * 8 * 16  # q k^T and p v
+
+
+def test_log_name_registers_with_torch_logging():
+    from torch._logging._internal import log_registry
+
+    _compat.register_log_name("offload_pass")
+    assert log_registry.log_alias_to_log_qnames["offload_pass"] == ["offload_pass"]
+
+
+def test_inductor_decompositions_are_available():
+    table = _compat.inductor_decompositions()
+    assert torch.ops.aten.native_layer_norm.default in table

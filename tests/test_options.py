@@ -103,3 +103,41 @@ def test_backend_is_registered_by_name():
     torch.compiler.reset()
     assert torch.equal(out, torch.compile(model)(x))
     assert offload_pass.default_backend.plans
+
+
+def test_fraction_and_memory_budget_are_exclusive():
+    with pytest.raises(ValueError, match="either fraction or memory_budget"):
+        offload_pass.backend(fraction=0.5, memory_budget=0.5)
+
+
+@pytest.mark.parametrize("budget", [0, -5, 1.5, 0.0, True, "1GB"])
+def test_bad_memory_budget_is_rejected(budget):
+    with pytest.raises((ValueError, TypeError), match="memory_budget"):
+        offload_pass.backend(memory_budget=budget)
+
+
+def test_bad_stall_tolerance_is_rejected():
+    with pytest.raises(ValueError, match="stall_tolerance"):
+        offload_pass.backend(stall_tolerance=1.5)
+
+
+def test_unknown_profile_names_the_choices():
+    with pytest.raises(ValueError, match="'h200'.*'calibrate'"):
+        offload_pass.backend(profile="h300")
+
+
+def test_calibration_on_a_cpu_graph_says_it_needs_cuda():
+    model = torch.compile(models.MLP(), backend=offload_pass.backend(profile="calibrate"))
+    with pytest.raises(Exception, match="calibrate.*CUDA"):
+        model(torch.randn(8, 64, requires_grad=True))
+
+
+def test_dump_dir_must_be_a_path():
+    with pytest.raises(TypeError, match="dump_dir"):
+        offload_pass.backend(dump_dir=3)
+
+
+def test_mode_follows_the_options():
+    assert offload_pass.backend().options.mode == "auto"
+    assert offload_pass.backend(fraction=0.3).options.mode == "fraction"
+    assert offload_pass.backend(memory_budget=2**30).options.mode == "memory_budget"

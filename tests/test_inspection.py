@@ -1,0 +1,95 @@
+"""What users read: the report, the annotated graphs, the trace, the dump and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import offload_pass
+from offload_pass import __main__ as cli
+from offload_pass import report
+from offload_pass.trace import TRACKS, predicted_trace
+from tests import models
+
+
+@pytest.fixture(scope="module")
+def explained() -> offload_pass.ModelReport:
+    torch.manual_seed(0)
+    model = models.BlockStack(dim=64, heads=4, depth=3)
+    return offload_pass.explain(
+        model, torch.randn(2, 64, 64), fraction=0.5, profile="h200", min_bytes=0
+    )
+
+
+def test_report_rows_and_totals_match_the_plan(explained):
+    (plan,) = explained.plans
+    rows = report.plan_rows(plan)
+    assert [r.name for r in rows] == [d.group.root for d in plan.decisions]
+    assert sum(r.nbytes for r in rows if r.moved) == plan.bytes_moved > 0
+    assert {r.name for r in rows if r.moved} == {c.root for c in plan.prediction.copies}
+    moved_rows = [r for r in rows if r.moved]
+    assert all(r.copy_seconds > 0 and 0 <= r.hidden_share <= 1 for r in moved_rows)
+    text = str(explained)
+    assert report.format_bytes(plan.bytes_moved) in text
+    assert "predicted peak" in text and "model: 1 chunks" in text
+
+
+def test_every_reason_is_a_documented_one(explained):
+    reasons = {d.reason for plan in explained.plans for d in plan.decisions}
+    assert reasons <= set(report.REASONS)
+    assert {"moved", "fraction reached", "input or parameter"} <= reasons
+
+
+def test_rewritten_graphs_mark_each_transfer_with_its_stream(explained):
+    graphs = report.format_graphs(explained.plans[0])
+    for op, note in report.STREAM_NOTES.items():
+        marked = [line for line in graphs.splitlines() if op in line]
+        assert marked and all(line.endswith(note) for line in marked)
+
+
+def test_trace_is_valid_json_with_the_three_tracks(explained):
+    plan = explained.plans[0]
+    trace = json.loads(json.dumps(predicted_trace(plan)))
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["tid"] for e in spans} == set(TRACKS.values())
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+    copies = [e for e in spans if e["tid"] != TRACKS["compute"]]
+    assert len(copies) == 2 * len(plan.moved)
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert names == set(TRACKS)
+
+
+def test_dump_folder_gets_table_graphs_and_trace(tmp_path, monkeypatch):
+    monkeypatch.setenv("OFFLOAD_PASS_DUMP", str(tmp_path))
+    model = torch.compile(models.MLP(), backend=offload_pass.backend(fraction=1.0, min_bytes=0))
+    model(torch.randn(8, 64, requires_grad=True)).sum().backward()
+    suffixes = sorted(p.name.split(".", 1)[1] for p in tmp_path.iterdir())
+    assert suffixes == ["backward.py", "forward.py", "trace.json", "txt"]
+    (forward,) = tmp_path.glob("*.forward.py")
+    assert "offload_pass.offload.default" in forward.read_text()
+
+
+def test_explain_plans_a_cpu_model_for_the_profile_it_is_given():
+    torch.manual_seed(0)
+    model = models.BlockStack(dim=256, heads=4, depth=4)
+    x = torch.randn(2, 512, 256)
+    on_h200 = offload_pass.explain(model, x, profile="h200").plans[0]
+    on_cpu = offload_pass.explain(model, x).plans[0]
+    assert (on_h200.profile.name, on_cpu.profile.name) == ("h200", "cpu")
+    assert on_h200.moved, "auto moves what hides under an H200's compute"
+    assert not on_cpu.moved, "on the CPU copies do not overlap compute"
+    assert on_h200.prediction.peak_bytes < on_h200.prediction.baseline_peak_bytes
+
+
+def test_cli_prints_the_report_for_an_example_model(capsys):
+    assert cli.main(["explain", "examples/inspect_plan.py:gpt", "--profile", "h200"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("offload plan for chunk")
+    assert "decision" in out and "model: 1 chunks" in out
+
+
+def test_cli_rejects_a_malformed_factory():
+    with pytest.raises(SystemExit, match="module:function"):
+        cli.main(["explain", "examples/inspect_plan.py"])
