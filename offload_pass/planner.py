@@ -123,7 +123,10 @@ class _Clocks:
         )
 
 
-def place(groups: Sequence[SavedGroup], costs: ChunkCosts, clocks: _Clocks) -> list[Transfer]:
+def _wait_positions(
+    groups: Sequence[SavedGroup], costs: ChunkCosts, clocks: _Clocks
+) -> dict[str, int]:
+    """Each offload_wait at the first node by which its copy is done, queued in order."""
     last_forward = len(clocks.forward_end) - 2
     queue_free = 0.0
     wait_at = {}
@@ -132,7 +135,13 @@ def place(groups: Sequence[SavedGroup], costs: ChunkCosts, clocks: _Clocks) -> l
         queue_free = start + OFFLOAD_MARGIN * costs.offload_seconds(g.nbytes)
         done = bisect.bisect_left(clocks.forward_end, queue_free, lo=g.last_forward_use)
         wait_at[g.root] = min(done, last_forward)
+    return wait_at
 
+
+def _reload_positions(
+    groups: Sequence[SavedGroup], costs: ChunkCosts, clocks: _Clocks
+) -> dict[str, int]:
+    """Each reload as late as the chain of reloads, latest needed first, still arrives."""
     chain = float("inf")
     reload_at = {}
     for g in sorted(groups, key=lambda g: (-g.first_backward_use, -g.produced_at)):
@@ -140,7 +149,12 @@ def place(groups: Sequence[SavedGroup], costs: ChunkCosts, clocks: _Clocks) -> l
         chain -= RELOAD_MARGIN * costs.reload_seconds(g.nbytes)
         issue = bisect.bisect_right(clocks.backward_start, chain) - 1
         reload_at[g.root] = min(max(issue, clocks.first_backward_compute), g.first_backward_use)
+    return reload_at
 
+
+def place(groups: Sequence[SavedGroup], costs: ChunkCosts, clocks: _Clocks) -> list[Transfer]:
+    wait_at = _wait_positions(groups, costs, clocks)
+    reload_at = _reload_positions(groups, costs, clocks)
     return [
         Transfer(
             g.root,
