@@ -59,6 +59,7 @@ def backend(
     min_bytes: int = DEFAULT_MIN_BYTES,
     compiler: str = "inductor",
     dump_dir: str | os.PathLike[str] | None = None,
+    in_flight_microbatches: int = 1,
 ) -> OffloadBackend:
     """A torch.compile backend that offloads saved activations to pinned host memory.
 
@@ -81,9 +82,19 @@ def backend(
         compiler: ``"inductor"``, or ``"eager"`` to run the rewritten graphs unfused.
         dump_dir: a folder to write each chunk's report, rewritten graphs and predicted
             trace into (``$OFFLOAD_PASS_DUMP`` when not given).
+        in_flight_microbatches: how many microbatches' activations a pipeline stage holds
+            at once (its warm-up depth; see :mod:`offload_pass.pipeline`); the predicted
+            peak and ``memory_budget`` count that many.
     """
     options = OffloadOptions.create(
-        fraction, memory_budget, stall_tolerance, profile, min_bytes, compiler, dump_dir
+        fraction,
+        memory_budget,
+        stall_tolerance,
+        profile,
+        min_bytes,
+        compiler,
+        dump_dir,
+        in_flight_microbatches,
     )
     return OffloadBackend(options)
 

@@ -47,6 +47,7 @@ class OffloadOptions:
     min_bytes: int = DEFAULT_MIN_BYTES
     compiler: Compiler = "inductor"
     dump_dir: str | None = None
+    in_flight_microbatches: int = 1
 
     @classmethod
     def create(
@@ -58,6 +59,7 @@ class OffloadOptions:
         min_bytes: int = DEFAULT_MIN_BYTES,
         compiler: str = "inductor",
         dump_dir: str | os.PathLike[str] | None = None,
+        in_flight_microbatches: int = 1,
     ) -> OffloadOptions:
         if fraction is not None and memory_budget is not None:
             raise ValueError("give either fraction or memory_budget, not both")
@@ -84,6 +86,7 @@ class OffloadOptions:
             min_bytes,
             compiler,  # type: ignore[arg-type]
             _check_dump_dir(dump_dir),
+            _check_in_flight(in_flight_microbatches),
         )
 
     @property
@@ -101,6 +104,12 @@ class OffloadOptions:
                     f"fraction pattern {pattern!r} matches no module of the compiled "
                     f"model (module paths look like {example})"
                 )
+
+
+def _check_in_flight(count: object) -> int:
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"in_flight_microbatches must be an int >= 1, got {count!r}")
+    return count
 
 
 def _check_dump_dir(folder: object) -> str | None:

@@ -28,6 +28,7 @@ def offload_chunk(chunk: ChunkGraphs, options: OffloadOptions, name: str) -> Pla
         min_bytes=options.min_bytes,
         stall_tolerance=options.stall_tolerance,
         memory_budget=options.memory_budget,
+        in_flight=options.in_flight_microbatches,
     )
     planned = plan_offloads(groups, costs, request)
     if planned.budget_shortfall:

@@ -72,12 +72,15 @@ class Placement:
 @dataclasses.dataclass(frozen=True)
 class Request:
     """What the planner is asked for, per chunk: each candidate's owner and share (None:
-    the mode decides), and the mode's settings."""
+    the mode decides), the mode's settings, and how many microbatches a pipeline stage
+    holds at once (``in_flight``), which multiplies what is held between forward and
+    backward in the predicted peak."""
 
     owners: dict[str, tuple[str, float | None]]
     min_bytes: int
     stall_tolerance: float
     memory_budget: int | float | None
+    in_flight: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,12 +229,13 @@ def _within_budget(
     costs: ChunkCosts,
     clocks: _Clocks,
     budget: int,
+    in_flight: int,
 ) -> set[str]:
     """The shortest prefix of ``ranked`` that, with ``forced``, meets the budget (all of
     ``ranked`` if none does)."""
 
     def peak(count: int) -> int:
-        return peak_bytes(costs, place([*forced, *ranked[:count]], costs, clocks))
+        return peak_bytes(costs, place([*forced, *ranked[:count]], costs, clocks), in_flight)
 
     low, high = 0, len(ranked)
     while low < high:
@@ -247,7 +251,7 @@ def _budget_bytes(request: Request, costs: ChunkCosts) -> int | None:
     budget = request.memory_budget
     if budget is None or isinstance(budget, int):
         return budget
-    return int(budget * peak_bytes(costs, ()))
+    return int(budget * peak_bytes(costs, (), request.in_flight))
 
 
 def plan_offloads(groups: Sequence[SavedGroup], costs: ChunkCosts, request: Request) -> ChunkPlan:
@@ -264,13 +268,13 @@ def plan_offloads(groups: Sequence[SavedGroup], costs: ChunkCosts, request: Requ
         unchosen_reason = WOULD_NOT_HIDE
     else:
         ranked = sorted(by_mode, key=lambda g: (g.root not in hidden, -clocks.window(g)))
-        chosen |= _within_budget(ranked, forced, costs, clocks, budget)
+        chosen |= _within_budget(ranked, forced, costs, clocks, budget, request.in_flight)
         unchosen_reason = BUDGET_MET
 
     moved = [g for g in groups if g.root in chosen]
     transfers = tuple(place(moved, costs, clocks))
     decisions = tuple(_decide(g, chosen, request, unchosen_reason) for g in groups)
-    return ChunkPlan(decisions, transfers, simulate(costs, transfers), budget)
+    return ChunkPlan(decisions, transfers, simulate(costs, transfers, request.in_flight), budget)
 
 
 def _decide(g: SavedGroup, chosen: set[str], request: Request, unchosen: str) -> Decision:

@@ -116,18 +116,23 @@ def _by(transfers: Sequence[Transfer], key: str) -> dict[int, list[Transfer]]:
     return buckets
 
 
-def peak_bytes(costs: ChunkCosts, transfers: Sequence[Transfer]) -> int:
+def peak_bytes(costs: ChunkCosts, transfers: Sequence[Transfer], in_flight: int = 1) -> int:
+    """The device peak of one step, with ``in_flight - 1`` other microbatches' forwards
+    done and their backwards pending (a pipeline stage's warm-up), each holding what this
+    one holds between its forward and backward."""
     allocated = list(costs.allocated)
     freed = list(costs.freed)
     for t in transfers:
         freed[t.wait_at] += t.nbytes
         allocated[costs.num_forward + t.reload_at] += t.nbytes
-    held = itertools.accumulate((a - f for a, f in zip(allocated, freed, strict=True)), initial=0)
+    net = (a - f for a, f in zip(allocated, freed, strict=True))
+    held = list(itertools.accumulate(net, initial=0))
     live = (before + a for before, a in zip(held, allocated, strict=False))
-    return costs.resident_bytes + max(live, default=0)
+    others = (in_flight - 1) * held[costs.num_forward]
+    return costs.resident_bytes + others + max(live, default=0)
 
 
-def simulate(costs: ChunkCosts, transfers: Sequence[Transfer]) -> Prediction:
+def simulate(costs: ChunkCosts, transfers: Sequence[Transfer], in_flight: int = 1) -> Prediction:
     streams = _Streams(costs.profile.copies_overlap_compute)
     copies = {t.root: _Copy(t) for t in transfers}
     offloads, waits = _by(transfers, "offload_at"), _by(transfers, "wait_at")
@@ -167,9 +172,9 @@ def simulate(costs: ChunkCosts, transfers: Sequence[Transfer]) -> Prediction:
         forward_seconds=forward_end,
         backward_seconds=streams.clock - forward_end,
         stall_seconds=streams.stall,
-        peak_bytes=peak_bytes(costs, transfers),
+        peak_bytes=peak_bytes(costs, transfers, in_flight),
         baseline_seconds=baseline,
-        baseline_peak_bytes=peak_bytes(costs, ()),
+        baseline_peak_bytes=peak_bytes(costs, (), in_flight),
         copies=tuple(
             CopyPrediction(
                 c.transfer.root,

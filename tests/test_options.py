@@ -141,3 +141,22 @@ def test_mode_follows_the_options():
     assert offload_pass.backend().options.mode == "auto"
     assert offload_pass.backend(fraction=0.3).options.mode == "fraction"
     assert offload_pass.backend(memory_budget=2**30).options.mode == "memory_budget"
+
+
+@pytest.mark.parametrize("count", [0, -1, 1.5, True])
+def test_bad_in_flight_microbatches_is_rejected(count):
+    with pytest.raises(ValueError, match="in_flight_microbatches"):
+        offload_pass.backend(in_flight_microbatches=count)
+
+
+def test_in_flight_microbatches_of_known_schedules():
+    from offload_pass.pipeline import in_flight_microbatches
+
+    assert in_flight_microbatches("Schedule1F1B", 0, 4, 8) == 4
+    assert in_flight_microbatches("Schedule1F1B", 3, 4, 8) == 1
+    assert in_flight_microbatches("Schedule1F1B", 0, 4, 2) == 2
+    assert in_flight_microbatches("ScheduleGPipe", 1, 2, 6) == 6
+    with pytest.raises(ValueError, match="pass in_flight_microbatches yourself"):
+        in_flight_microbatches("ScheduleInterleaved1F1B", 0, 2, 4)
+    with pytest.raises(ValueError, match="stage_index"):
+        in_flight_microbatches("Schedule1F1B", 4, 4, 8)

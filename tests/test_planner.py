@@ -68,8 +68,9 @@ def plan(
     budget: int | float | None = None,
     tolerance: float = 0.0,
     profile: DeviceProfile = PROFILE,
+    in_flight: int = 1,
 ) -> ChunkPlan:
-    request = Request({g.root: ("", share) for g in groups}, 0, tolerance, budget)
+    request = Request({g.root: ("", share) for g in groups}, 0, tolerance, budget, in_flight)
     return plan_offloads(groups, chunk(groups, profile), request)
 
 
@@ -222,3 +223,18 @@ def test_fraction_owners_and_auto_share_one_queue():
     result = plan_offloads(groups, chunk(groups), request)
     assert reasons(result) == {"a0": MOVED, "a1": MOVED, "a8": WOULD_NOT_HIDE}
     assert result.decisions[0].share == 1.0 and result.decisions[1].share is None
+
+
+def test_a_pipeline_stage_holds_what_each_microbatch_keeps_for_backward():
+    # Two microbatches in flight: the other one holds its 12 MB of activations at the
+    # boundary; after auto moves a0 and a1 it holds only a8's 4 MB.
+    result = plan(THREE, in_flight=2)
+    assert result.prediction.baseline_peak_bytes == 24 * MB
+    assert result.prediction.peak_bytes == 8 * MB + 4 * MB
+
+
+def test_a_budget_counts_the_microbatches_in_flight():
+    # 18 MB is 0.75 of 24 MB; moving a0 leaves 8 MB per microbatch at the boundary.
+    result = plan(THREE, budget=18 * MB, in_flight=2)
+    assert moved(result) == ["a0"]
+    assert result.prediction.peak_bytes == 8 * MB + 8 * MB
