@@ -1,0 +1,116 @@
+"""Pipeline parallelism on two CPU processes (gloo): offloaded stages train exactly like
+the same pipeline without offloading. This is the scenario that breaks offloaders keeping
+state in queues: more microbatches than stages, fraction 0, an evaluation forward before
+training, several optimizer steps."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import offload_pass
+from tests import models
+
+pipelining = pytest.importorskip("torch.distributed.pipelining")
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"
+)
+
+WORLD = 2
+MICROBATCHES = 4
+STEPS = 3
+FRACTIONS = (0.0, 0.5, 1.0)
+
+
+def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (output - target).float().pow(2).mean()
+
+
+def _stage_modules(rank: int, virtual: int) -> list[torch.nn.Module]:
+    """This rank's stages of a 4-block stack: stage s holds blocks s*k .. s*k+k-1."""
+    torch.manual_seed(0)
+    blocks = models.BlockStack(dim=32, heads=4, depth=4).blocks
+    per_stage = len(blocks) // (WORLD * virtual)
+    stage_ids = [rank + WORLD * v for v in range(virtual)]
+    return [torch.nn.Sequential(*blocks[s * per_stage : (s + 1) * per_stage]) for s in stage_ids]
+
+
+def _train(rank: int, virtual: int, backend) -> tuple[list[float], list[torch.Tensor]]:
+    """Evaluation forward, then STEPS optimizer steps; (losses, final parameters)."""
+    modules = _stage_modules(rank, virtual)
+    stages = [
+        pipelining.PipelineStage(
+            torch.compile(m, backend=backend),
+            rank + WORLD * v,
+            WORLD * virtual,
+            torch.device("cpu"),
+        )
+        for v, m in enumerate(modules)
+    ]
+    if virtual == 1:
+        schedule = pipelining.Schedule1F1B(stages[0], MICROBATCHES, loss_fn=_loss)
+    else:
+        schedule = pipelining.ScheduleInterleaved1F1B(stages, MICROBATCHES, loss_fn=_loss)
+    optimizer = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 16, 32, generator=generator)
+    target = torch.randn(8, 16, 32, generator=generator)
+    first, last = rank == 0, rank == WORLD - 1
+
+    def run(step) -> list[torch.Tensor]:
+        losses: list[torch.Tensor] = []
+        args = (x,) if first else ()
+        kwargs = {"target": target, "losses": losses} if last else {}
+        step(*args, **kwargs)
+        return losses
+
+    run(schedule.eval)
+    recorded = []
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        recorded += [loss.item() for loss in run(schedule.step)]
+        optimizer.step()
+    return recorded, [p.detach().clone() for m in modules for p in m.parameters()]
+
+
+def _worker(rank: int, port: int, virtual: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        torch.compiler.reset()
+        reference = _train(rank, virtual, "aot_eager")
+        results = {}
+        for fraction in FRACTIONS:
+            torch.compiler.reset()
+            backend = offload_pass.backend(fraction=fraction, min_bytes=0, compiler="eager")
+            trained = _train(rank, virtual, backend)
+            results[fraction] = (trained, sum(len(plan.moved) for plan in backend.plans))
+        torch.save({"reference": reference, "offloaded": results}, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("virtual", [1, 2], ids=["1f1b", "interleaved-1f1b"])
+def test_offloaded_pipeline_trains_like_the_plain_one(virtual, tmp_path):
+    mp.spawn(_worker, args=(_free_port(), virtual, str(tmp_path)), nprocs=WORLD, join=True)
+    for rank in range(WORLD):
+        saved = torch.load(tmp_path / f"rank{rank}.pt")
+        (losses, params) = saved["reference"]
+        if rank == WORLD - 1:
+            assert len(losses) == STEPS * MICROBATCHES
+        for fraction, ((got_losses, got_params), moved) in saved["offloaded"].items():
+            assert (moved > 0) == (fraction > 0), (rank, fraction, moved)
+            assert got_losses == losses, (rank, fraction)
+            for got, expected in zip(got_params, params, strict=True):
+                assert torch.equal(got, expected), (rank, fraction)
