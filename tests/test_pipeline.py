@@ -114,3 +114,21 @@ def test_offloaded_pipeline_trains_like_the_plain_one(virtual, tmp_path):
             assert got_losses == losses, (rank, fraction)
             for got, expected in zip(got_params, params, strict=True):
                 assert torch.equal(got, expected), (rank, fraction)
+
+
+def test_pipeline_example_runs_under_torchrun():
+    import subprocess
+    import sys
+
+    options = "--device cpu --dim 128 --heads 4 --seq 512 --layers 4 --batch 4"
+    options += " --microbatches 4 --steps 1 --fraction 1.0"
+    command = [
+        *(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"),
+        *("--master-port", str(_free_port()), "examples/pipeline_parallel.py"),
+        *options.split(),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("rank")]
+    assert len(lines) == 4
+    assert all("moved per microbatch      0.0" not in line for line in lines if "offload " in line)
