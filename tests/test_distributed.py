@@ -1,7 +1,10 @@
-"""Pipeline parallelism on two CPU processes (gloo): offloaded stages train exactly like
-the same pipeline without offloading. This is the scenario that breaks offloaders keeping
-state in queues: more microbatches than stages, fraction 0, an evaluation forward before
-training, several optimizer steps."""
+"""torch.distributed on two CPU processes (gloo).
+
+Pipeline parallelism: offloaded stages train exactly like the same pipeline without
+offloading. This is the scenario that breaks offloaders keeping state in queues: more
+microbatches than stages, fraction 0, an evaluation forward before training, several
+optimizer steps. FSDP2: blocks sharded with ``fully_shard`` and compiled with the offload
+backend get the same gradients as compiled without it."""
 
 from __future__ import annotations
 
@@ -132,3 +135,47 @@ def test_pipeline_example_runs_under_torchrun():
     lines = [line for line in done.stdout.splitlines() if line.startswith("rank")]
     assert len(lines) == 4
     assert all("moved per microbatch      0.0" not in line for line in lines if "offload " in line)
+
+
+def _fsdp_gradients(rank: int, backend) -> list[torch.Tensor]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = models.BlockStack(dim=64, heads=4, depth=3)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for i, block in enumerate(model.blocks):
+        fully_shard(block, mesh=mesh)
+        model.blocks[i] = torch.compile(block, backend=backend)
+    fully_shard(model, mesh=mesh)
+    x = torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(rank))
+    for _ in range(2):  # gradients accumulate over two steps
+        model(x).float().pow(2).mean().backward()
+    return [p.grad.to_local().clone() for p in model.parameters()]
+
+
+def _fsdp_worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        torch.compiler.reset()
+        reference = _fsdp_gradients(rank, "aot_eager")
+        torch.compiler.reset()
+        backend = offload_pass.backend(fraction=1.0, min_bytes=0, compiler="eager")
+        offloaded = _fsdp_gradients(rank, backend)
+        moved = sum(len(plan.moved) for plan in backend.plans)
+        torch.save(
+            {"reference": reference, "offloaded": offloaded, "moved": moved}, f"{out}/rank{rank}.pt"
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_sharded_compiled_blocks_get_the_same_gradients(tmp_path):
+    pytest.importorskip("torch.distributed.fsdp", reason="needs FSDP2")
+    mp.spawn(_fsdp_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    for rank in range(WORLD):
+        saved = torch.load(tmp_path / f"rank{rank}.pt")
+        assert saved["moved"] > 0
+        for got, expected in zip(saved["offloaded"], saved["reference"], strict=True):
+            assert torch.equal(got, expected), rank
