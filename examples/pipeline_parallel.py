@@ -59,12 +59,17 @@ def train(args: argparse.Namespace, backend: object, rank: int, world: int) -> t
     schedule_type, virtual = SCHEDULES[args.schedule]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     modules = [m.to(device, dtype) for m in stage_modules(args, rank, world, virtual)]
-    stages = [
-        pipelining.PipelineStage(
-            torch.compile(m, backend=backend), rank + world * v, world * virtual, device
+    shape = (args.batch // args.microbatches, args.seq, args.dim)
+    stages = []
+    for v, module in enumerate(modules):
+        index = rank + world * v
+        # Shapes given up front: the schedule then needs no shape inference round.
+        inputs = torch.empty(shape, device=device, dtype=dtype, requires_grad=index > 0)
+        outputs = torch.empty(shape, device=device, dtype=dtype, requires_grad=True)
+        compiled = torch.compile(module, backend=backend)
+        stages.append(
+            pipelining.PipelineStage(compiled, index, world * virtual, device, inputs, outputs)
         )
-        for v, m in enumerate(modules)
-    ]
     schedule = schedule_type(
         stages[0] if virtual == 1 else stages,
         args.microbatches,

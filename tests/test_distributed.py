@@ -43,6 +43,13 @@ def _stage_modules(rank: int, virtual: int) -> list[torch.nn.Module]:
     return [torch.nn.Sequential(*blocks[s * per_stage : (s + 1) * per_stage]) for s in stage_ids]
 
 
+def _static_shapes(stage: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stage's microbatch input and output, given so that the schedule needs no shape
+    inference (which sends Python objects, and those need NumPy)."""
+    shape = (8 // MICROBATCHES, 16, 32)
+    return torch.empty(shape, requires_grad=stage > 0), torch.empty(shape, requires_grad=True)
+
+
 def _train(rank: int, virtual: int, backend) -> tuple[list[float], list[torch.Tensor]]:
     """Evaluation forward, then STEPS optimizer steps; (losses, final parameters)."""
     modules = _stage_modules(rank, virtual)
@@ -52,6 +59,7 @@ def _train(rank: int, virtual: int, backend) -> tuple[list[float], list[torch.Te
             rank + WORLD * v,
             WORLD * virtual,
             torch.device("cpu"),
+            *_static_shapes(rank + WORLD * v),
         )
         for v, m in enumerate(modules)
     ]
