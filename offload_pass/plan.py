@@ -52,8 +52,8 @@ class Plan:
     def bytes_saved_for_backward(self) -> int:
         return sum(d.group.nbytes for d in self.decisions)
 
-    def copy_of(self, root: str) -> CopyPrediction | None:
-        return next((c for c in self.prediction.copies if c.root == root), None)
+    def copies_by_root(self) -> dict[str, CopyPrediction]:
+        return {c.root: c for c in self.prediction.copies}
 
     def __str__(self) -> str:
         from offload_pass.report import format_plan

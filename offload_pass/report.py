@@ -77,8 +77,9 @@ class Row:
 
 def plan_rows(plan: Plan) -> list[Row]:
     rows = []
+    copies = plan.copies_by_root()
     for d in plan.decisions:
-        copy = plan.copy_of(d.group.root)
+        copy = copies.get(d.group.root)
         rows.append(
             Row(
                 name=d.group.root,
