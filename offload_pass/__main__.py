@@ -27,7 +27,7 @@ def load_factory(spec: str) -> Callable[[], Any]:
         )
     if where.endswith(".py"):
         module_spec = importlib.util.spec_from_file_location(Path(where).stem, where)
-        if module_spec is None or not Path(where).exists():
+        if module_spec is None or module_spec.loader is None or not Path(where).exists():
             raise SystemExit(f"no such file: {where}")
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)

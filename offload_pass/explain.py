@@ -26,6 +26,8 @@ def _stand_ins(gm: torch.fx.GraphModule) -> Callable[..., tuple[Any, ...]]:
     def stand_in(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             shape = [_compat.concrete_int(s) for s in value.shape]
+            if None in shape:
+                raise ValueError(f"explain needs output sizes it can know; got {value.shape}")
             return torch.zeros(shape, dtype=value.dtype, device=value.device)
         if isinstance(value, torch.SymInt):
             return _compat.concrete_int(value)
