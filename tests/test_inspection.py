@@ -93,3 +93,13 @@ def test_cli_prints_the_report_for_an_example_model(capsys):
 def test_cli_rejects_a_malformed_factory():
     with pytest.raises(SystemExit, match="module:function"):
         cli.main(["explain", "examples/inspect_plan.py"])
+
+
+def test_timeline_plot_draws_a_dumped_trace(tmp_path, explained):
+    pytest.importorskip("matplotlib")
+    from benchmarks.plot_timeline import plot_timeline
+
+    trace = tmp_path / "chunk.trace.json"
+    trace.write_text(json.dumps(predicted_trace(explained.plans[0])))
+    plot_timeline(trace, tmp_path / "timeline.png")
+    assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
