@@ -26,6 +26,7 @@ def explained() -> offload_pass.ModelReport:
 def test_report_rows_and_totals_match_the_plan(explained):
     (plan,) = explained.plans
     rows = report.plan_rows(plan)
+    assert explained.rows() == rows
     assert [r.name for r in rows] == [d.group.root for d in plan.decisions]
     assert sum(r.nbytes for r in rows if r.moved) == plan.bytes_moved > 0
     assert {r.name for r in rows if r.moved} == {c.root for c in plan.prediction.copies}
