@@ -212,7 +212,7 @@ def profile_auto(name: str, device: torch.device) -> str:
         return "(measured-versus-predicted comparison needs a CUDA device)"
     from offload_pass.validate import compare_with_profile
 
-    workload = {w.name: w for w in (workloads.W1, workloads.W2, workloads.TINY)}[name]
+    workload = workloads.BY_NAME[name]
     torch.compiler.reset()
     model, x = workloads.build(workload, device)
     backend = offload_pass.backend()
@@ -228,7 +228,7 @@ def profile_auto(name: str, device: torch.device) -> str:
 def run_workload(
     name: str, wanted: Sequence[str], steps: int, device: torch.device, show_plans: bool = False
 ) -> list[Measurement]:
-    workload = {w.name: w for w in (workloads.W1, workloads.W2, workloads.TINY)}[name]
+    workload = workloads.BY_NAME[name]
     chosen = [c for c in configs.all_configs() if not wanted or c.name in wanted]
     chosen.sort(key=lambda c: FIRST.index(c.name) if c.name in FIRST else len(FIRST))
     shared: dict[str, Any] = {}

@@ -23,6 +23,7 @@ class Workload:
 W1 = Workload("W1", dim=4096, heads=32, layers=8, batch=2, seq=4096)
 W2 = dataclasses.replace(W1, name="W2", batch=8)
 TINY = Workload("tiny", dim=64, heads=4, layers=2, batch=2, seq=32, dtype=torch.float32)
+BY_NAME = {w.name: w for w in (W1, W2, TINY)}
 
 
 class Block(nn.Module):
