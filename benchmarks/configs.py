@@ -125,8 +125,9 @@ def _torchtune_offloading() -> type:
 
 def _megatron_gpt(model: nn.Module, shared: dict[str, Any]) -> Forward:
     raise Unavailable(
-        "megatron-core is not run by this harness: its GPT at these dimensions needs "
-        "Transformer Engine and a model-parallel process group, neither installed here"
+        "not run: megatron-core 0.16.1's fine-grained offloading needs Transformer Engine "
+        "(without it, it raises 'TE CPU offload is not available'), and "
+        "transformer-engine-torch is not in the package index available here"
     )
 
 
@@ -148,7 +149,7 @@ def our_configs(budgets: tuple[float, ...]) -> list[Config]:
     configs = [Config("offload_pass auto", "offload_pass", ours())]
     configs += [
         Config(f"offload_pass fraction {f:g}", "offload_pass", ours(fraction=f))
-        for f in (0.25, 0.5, 0.75, 1.0)
+        for f in (0.0, 0.25, 0.5, 0.75, 1.0)
     ]
     configs += [
         Config(f"offload_pass budget {b:g}", "offload_pass", ours(memory_budget=b)) for b in budgets
@@ -160,7 +161,7 @@ def all_configs() -> list[Config]:
     return [
         Config("eager", "no offload", eager),
         Config("compiled", "no offload", compiled),
-        *our_configs(budgets=(0.85, 0.7)),
+        *our_configs(budgets=(0.7, 0.6)),
         Config("save_on_cpu", "save_on_cpu", save_on_cpu, cuda_only=True),
         Config("checkpoint blocks", "checkpointing", checkpoint_blocks),
         *(

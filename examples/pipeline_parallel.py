@@ -6,7 +6,9 @@ rank's step time and peak memory.
     torchrun --nproc-per-node 2 examples/pipeline_parallel.py --schedule interleaved --fraction 0.5
 
 Each rank compiles its stages with the offload backend; nothing else changes. For 1F1B the
-stage's warm-up depth (how many microbatches it holds at once) is passed to the planner.
+stage's warm-up depth (how many microbatches it holds at once) is passed to the planner. On
+CUDA every rank first measures the copy bandwidth it gets while all ranks copy at once
+(``calibrate_shared``) and plans with it.
 """
 
 from __future__ import annotations
@@ -109,10 +111,17 @@ def main() -> None:
     depth = 1
     if args.schedule == "1f1b":
         depth = in_flight_microbatches("Schedule1F1B", rank, world, args.microbatches)
-    backends = {
-        "no offload": "inductor",
-        "offload": offload_pass.backend(fraction=args.fraction, in_flight_microbatches=depth),
-    }
+    profile = None
+    if on_cuda:
+        profile = offload_pass.calibrate_shared()
+        print(
+            f"rank {rank} {profile.name}: device-to-host {profile.device_to_host / 1e9:.1f} GB/s, "
+            f"host-to-device {profile.host_to_device / 1e9:.1f} GB/s, "
+            f"both {profile.both_directions / 1e9:.1f} GB/s",
+            flush=True,
+        )
+    options = {"fraction": args.fraction, "in_flight_microbatches": depth, "profile": profile}
+    backends = {"no offload": "inductor", "offload": offload_pass.backend(**options)}
     for name, backend in backends.items():
         torch.compiler.reset()
         seconds, peak = train(args, backend, rank, world)

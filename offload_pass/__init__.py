@@ -6,6 +6,7 @@ model = torch.compile(model, backend=offload_pass.backend(fraction=0.5))
 from offload_pass import ops  # noqa: F401  (registers the offload_pass:: ops)
 from offload_pass._compat import register_backend_name
 from offload_pass.backend import OffloadBackend, backend, default_backend, offload
+from offload_pass.calibration import calibrate_shared
 from offload_pass.explain import explain
 from offload_pass.options import OffloadOptions, set_fraction
 from offload_pass.plan import Plan
@@ -30,6 +31,7 @@ __all__ = [
     "Prediction",
     "TransferCounts",
     "backend",
+    "calibrate_shared",
     "counts",
     "default_backend",
     "explain",

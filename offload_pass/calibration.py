@@ -1,26 +1,31 @@
 """Measure a CUDA device's copy bandwidths, matrix rates and memory bandwidth, once per
-process and device."""
+process and device; or, with every local rank copying at once, the copy bandwidths each
+rank of a host actually gets (``calibrate_shared``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
-from offload_pass.profiles import DeviceProfile
+from offload_pass.profiles import DeviceProfile, built_in_for_name
 
 COPY_BYTES = 256 * 2**20
 MATMUL_SIZE = 8192
 REPEATS = 5
 
 
-def _seconds(work: Callable[[], None]) -> float:
-    """Median seconds of ``work`` on ``device``'s current stream, after one warm-up."""
+def _seconds(work: Callable[[], None], align: Callable[[], None] = lambda: None) -> float:
+    """Median seconds of ``work`` on the current stream, after one warm-up; ``align`` runs
+    before each timed repeat (a barrier, so that every rank copies at the same time)."""
     work()
     times = []
     for _ in range(REPEATS):
+        align()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         work()
@@ -31,7 +36,11 @@ def _seconds(work: Callable[[], None]) -> float:
 
 
 def _both_directions_seconds(
-    source: torch.Tensor, host: torch.Tensor, host_source: torch.Tensor, target: torch.Tensor
+    source: torch.Tensor,
+    host: torch.Tensor,
+    host_source: torch.Tensor,
+    target: torch.Tensor,
+    align: Callable[[], None],
 ) -> float:
     streams = (torch.cuda.Stream(source.device), torch.cuda.Stream(source.device))
 
@@ -46,7 +55,28 @@ def _both_directions_seconds(
         for stream in streams:
             current.wait_stream(stream)
 
-    return _seconds(copy_both_ways)
+    return _seconds(copy_both_ways, align)
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyBandwidths:
+    """Bytes per second: device to host, host to device, both at once (their sum)."""
+
+    device_to_host: float
+    host_to_device: float
+    both_directions: float
+
+
+def _copy_bandwidths(device: torch.device, align: Callable[[], None]) -> CopyBandwidths:
+    on_device = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
+    other = torch.empty_like(on_device)
+    host = torch.empty(COPY_BYTES, dtype=torch.uint8, pin_memory=True)
+    second_host = torch.empty_like(host).pin_memory()
+    return CopyBandwidths(
+        COPY_BYTES / _seconds(lambda: host.copy_(on_device, non_blocking=True), align),
+        COPY_BYTES / _seconds(lambda: other.copy_(second_host, non_blocking=True), align),
+        2 * COPY_BYTES / _both_directions_seconds(on_device, host, second_host, other, align),
+    )
 
 
 def _matmul_rate(device: torch.device, dtype: torch.dtype, size: int) -> float:
@@ -60,18 +90,58 @@ def calibrate(device_index: int) -> DeviceProfile:
     """Measure ``cuda:device_index`` (a few seconds; cached for the process)."""
     device = torch.device("cuda", device_index)
     with torch.cuda.device(device):
+        copies = _copy_bandwidths(device, lambda: None)
         on_device = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
         other = torch.empty_like(on_device)
-        host = torch.empty(COPY_BYTES, dtype=torch.uint8, pin_memory=True)
-        second_host = torch.empty_like(host).pin_memory()
-        d2h = COPY_BYTES / _seconds(lambda: host.copy_(on_device, non_blocking=True))
-        h2d = COPY_BYTES / _seconds(lambda: other.copy_(second_host, non_blocking=True))
-        both = 2 * COPY_BYTES / _both_directions_seconds(on_device, host, second_host, other)
         memory = 2 * COPY_BYTES / _seconds(lambda: other.copy_(on_device))
         bf16 = _matmul_rate(device, torch.bfloat16, MATMUL_SIZE)
         fp32 = _matmul_rate(device, torch.float32, MATMUL_SIZE // 2)
     name = f"calibrated {torch.cuda.get_device_name(device)}"
-    return DeviceProfile(name, bf16, fp32, memory, d2h, h2d, both)
+    return DeviceProfile(
+        name,
+        bf16,
+        fp32,
+        memory,
+        copies.device_to_host,
+        copies.host_to_device,
+        copies.both_directions,
+    )
+
+
+def calibrate_shared(group: dist.ProcessGroup | None = None) -> DeviceProfile:
+    """This rank's device profile with the copy bandwidths it gets while every rank of
+    ``group`` (default: the world) copies at the same time.
+
+    Ranks on one host share its PCIe switches and host memory, so each gets a share of
+    what one GPU measures alone. Call it on every rank of ``group`` (a collective), after
+    ``init_process_group`` and ``torch.cuda.set_device``; pass the result as
+    ``backend(profile=...)``. Every rank gets the slowest rank's bandwidths, so that all
+    stages plan with the same figures. Compute rates come from the built-in profile of
+    the device, or are measured where there is none.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("calibrate_shared is a collective: call init_process_group first")
+    if not torch.cuda.is_available():
+        raise RuntimeError("calibrate_shared measures CUDA copies; no CUDA device is available")
+    index = torch.cuda.current_device()
+    device = torch.device("cuda", index)
+    base = built_in_for_name(torch.cuda.get_device_name(device)) or calibrate(index)
+
+    def align() -> None:
+        torch.cuda.synchronize(device)
+        dist.barrier(group)
+        torch.cuda.synchronize(device)
+
+    copies = _copy_bandwidths(device, align)
+    on = device if dist.get_backend(group) == dist.Backend.NCCL else torch.device("cpu")
+    slowest = torch.tensor(dataclasses.astuple(copies), dtype=torch.float64, device=on)
+    dist.all_reduce(slowest, dist.ReduceOp.MIN, group=group)
+    ranks = dist.get_world_size(group)
+    return dataclasses.replace(
+        base,
+        name=f"{base.name} shared by {ranks} ranks",
+        **dict(zip((f.name for f in dataclasses.fields(copies)), slowest.tolist(), strict=True)),
+    )
 
 
 def calibrate_unknown(device_index: int) -> DeviceProfile:

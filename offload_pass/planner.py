@@ -12,11 +12,17 @@ Selection, per chunk:
 
 Placement: each offload right after its producer; its wait at the first node by which the
 copy is predicted complete (and not before the last forward use); reloads as late as they
-can start and still finish before first use, in first-use order. Selection prices copies
-as predicted; placement prices them slower (``OFFLOAD_MARGIN``, ``RELOAD_MARGIN``), so that
-a wait or a reload placed by a slightly optimistic prediction still does not stall. Reloads
-get the wider margin: on an H200, W1's backward stalled 5 ms with 5% (docs/
-gpu-validation.md), and a reload issued early costs little memory late in backward.
+can start and still finish before first use, in first-use order. Where more is moved than
+the copy queues can carry in time (a share or a budget asks for it), a copy that would end
+after forward is waited for ``OVERLAP_DEPTH`` copies later, and a reload that would start
+before backward is issued ``OVERLAP_DEPTH`` reloads before its need: compute then waits
+for the queue either way, but holds only a few copies in flight, not all.
+
+Selection prices copies as predicted; placement prices them slower (``OFFLOAD_MARGIN``,
+``RELOAD_MARGIN``), so that a wait or a reload placed by a slightly optimistic prediction
+still does not stall. Reloads get the wider margin: on an H200, W1's backward stalled 5 ms
+with 5% (docs/gpu-validation.md), and a reload issued early costs little memory late in
+backward.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from offload_pass.simulate import Prediction, Transfer, peak_bytes, simulate
 
 OFFLOAD_MARGIN = 1.05
 RELOAD_MARGIN = 1.25
+OVERLAP_DEPTH = 3
 
 MOVED = "moved"
 TOO_SMALL = "too small"
@@ -129,30 +136,90 @@ class _Clocks:
 def _wait_positions(
     groups: Sequence[SavedGroup], costs: ChunkCosts, clocks: _Clocks
 ) -> dict[str, int]:
-    """Each offload_wait at the first node by which its copy is done, queued in order."""
+    """Each offload_wait at the first node by which its copy is done, queued in order.
+
+    A copy that cannot finish within forward even as predicted is waited for where the
+    copy ``OVERLAP_DEPTH`` later is produced: forward slows to the copy rate, but frees
+    its memory there, not at forward's end.
+    """
     last_forward = len(clocks.forward_end) - 2
-    queue_free = 0.0
+    order = sorted(groups, key=lambda g: g.produced_at)
+    predicted = _offload_ends(order, costs, clocks, 1.0)
+    margined = _offload_ends(order, costs, clocks, OFFLOAD_MARGIN)
     wait_at = {}
-    for g in sorted(groups, key=lambda g: g.produced_at):
-        start = max(clocks.forward_end[g.produced_at], queue_free)
-        queue_free = start + OFFLOAD_MARGIN * costs.offload_seconds(g.nbytes)
-        done = bisect.bisect_left(clocks.forward_end, queue_free, lo=g.last_forward_use)
+    for i, g in enumerate(order):
+        done = bisect.bisect_left(clocks.forward_end, margined[i], lo=g.last_forward_use)
+        if predicted[i] > clocks.forward_seconds and i + OVERLAP_DEPTH < len(order):
+            done = max(g.last_forward_use, order[i + OVERLAP_DEPTH].produced_at)
         wait_at[g.root] = min(done, last_forward)
     return wait_at
+
+
+def _offload_ends(
+    order: Sequence[SavedGroup], costs: ChunkCosts, clocks: _Clocks, margin: float
+) -> list[float]:
+    """When each copy of the device-to-host queue ends, copies ``margin`` times slower."""
+    queue_free = 0.0
+    ends = []
+    for g in order:
+        queue_free = max(clocks.forward_end[g.produced_at], queue_free)
+        queue_free += margin * costs.offload_seconds(g.nbytes)
+        ends.append(queue_free)
+    return ends
 
 
 def _reload_positions(
     groups: Sequence[SavedGroup], costs: ChunkCosts, clocks: _Clocks
 ) -> dict[str, int]:
-    """Each reload as late as the chain of reloads, latest needed first, still arrives."""
-    chain = float("inf")
+    """Each reload as late as the chain of reloads, latest needed first, still arrives.
+
+    Reloads that cannot arrive in time even as predicted (the chain starts before
+    backward does) are issued ``OVERLAP_DEPTH`` reloads ahead of their need, not all at
+    backward's start: backward waits for them either way, and fewer are held at once.
+    """
+    order = sorted(groups, key=lambda g: (-g.first_backward_use, -g.produced_at))
+    margined = _reload_starts(order, costs, clocks, RELOAD_MARGIN)
+    predicted = _reload_starts(order, costs, clocks, 1.0)
     reload_at = {}
-    for g in sorted(groups, key=lambda g: (-g.first_backward_use, -g.produced_at)):
-        chain = min(chain, clocks.backward_start[g.first_backward_use])
-        chain -= RELOAD_MARGIN * costs.reload_seconds(g.nbytes)
-        issue = bisect.bisect_right(clocks.backward_start, chain) - 1
+    for g, start in zip(order, margined, strict=True):
+        issue = bisect.bisect_right(clocks.backward_start, start) - 1
         reload_at[g.root] = min(max(issue, clocks.first_backward_compute), g.first_backward_use)
+    late = _late_front(order, predicted, clocks)
+    for ahead, g in zip(late, late[OVERLAP_DEPTH:], strict=False):
+        reload_at[g.root] = max(reload_at[g.root], ahead.first_backward_use)
+    issued = 0  # the queue is FIFO: none issued before one needed earlier
+    for g in reversed(order):
+        issued = reload_at[g.root] = max(issued, reload_at[g.root])
     return reload_at
+
+
+def _late_front(
+    order: Sequence[SavedGroup], starts: Sequence[float], clocks: _Clocks
+) -> list[SavedGroup]:
+    """In need order: the reloads that start late, and those queued right behind them
+    (the host-to-device queue busy from backward's start until each one starts)."""
+    front: list[SavedGroup] = []
+    if not starts or starts[-1] >= 0:
+        return front
+    for k in range(len(order) - 1, -1, -1):
+        front.append(order[k])
+        if k and starts[k - 1] > clocks.backward_start[order[k].first_backward_use]:
+            break
+    return front
+
+
+def _reload_starts(
+    order: Sequence[SavedGroup], costs: ChunkCosts, clocks: _Clocks, margin: float
+) -> list[float]:
+    """When each reload of the chain must start, latest needed first, copies ``margin``
+    times slower (negative: before backward starts)."""
+    chain = float("inf")
+    starts = []
+    for g in order:
+        chain = min(chain, clocks.backward_start[g.first_backward_use])
+        chain -= margin * costs.reload_seconds(g.nbytes)
+        starts.append(chain)
+    return starts
 
 
 def place(groups: Sequence[SavedGroup], costs: ChunkCosts, clocks: _Clocks) -> list[Transfer]:

@@ -19,6 +19,7 @@ from offload_pass.planner import (
     BUDGET_MET,
     FRACTION_REACHED,
     MOVED,
+    OVERLAP_DEPTH,
     WOULD_NOT_HIDE,
     ChunkPlan,
     Request,
@@ -202,6 +203,33 @@ def test_reloads_are_issued_as_late_as_they_can_still_hide():
     # (4 ms).
     assert reload_at["a0"] == 5
     assert reload_at["a1"] == 1
+
+
+NINE = [group(i, 2 * MB) for i in range(9)]
+
+
+def test_copies_that_cannot_finish_in_forward_are_waited_for_a_few_copies_later():
+    # 18 ms of copies in a 10 ms forward: a4's copy ends at 11 ms, past forward's end.
+    # Forward waits for it, and for a5, where the copy OVERLAP_DEPTH later is produced,
+    # freeing them there rather than all at forward's end.
+    assert OVERLAP_DEPTH == 3
+    wait_at = {t.root: t.wait_at for t in plan(NINE, share=1.0).transfers}
+    assert wait_at == {"a0": 3, "a1": 5, "a2": 7, "a3": 9, "a4": 7, "a5": 8} | dict.fromkeys(
+        ("a6", "a7", "a8"), 9
+    )
+
+
+def test_reloads_that_cannot_arrive_in_time_are_issued_a_few_needs_ahead():
+    # Backward needs a8 at its node 2, a7 at 3, ..., a0 at 10, but 18 ms of reloads take
+    # longer than backward: all are late. Each is issued where the reload OVERLAP_DEPTH
+    # earlier is needed, so no more than OVERLAP_DEPTH + 1 are on the device at once.
+    result = plan(NINE, share=1.0)
+    by_need = sorted(result.transfers, key=lambda t: t.need_at)
+    assert [t.reload_at for t in by_need] == [1, 1, 1, 2, 3, 4, 5, 6, 7]
+    for node in range(1, NODES + 1):
+        on_device = [t for t in by_need if t.reload_at <= node <= t.need_at]
+        assert len(on_device) <= OVERLAP_DEPTH + 1
+    assert result.prediction.peak_bytes < result.prediction.baseline_peak_bytes
 
 
 def test_copies_that_cannot_overlap_compute_are_not_moved_by_auto():
