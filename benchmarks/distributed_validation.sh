@@ -13,7 +13,7 @@ python -m pytest -q -p no:logging -m cuda -rs tests 2>&1 | tee "$out/pytest.log"
 status=$?
 for schedule in 1f1b interleaved; do
     for fraction in "" "--fraction 1.0"; do
-        torchrun --nproc-per-node 2 examples/pipeline_parallel.py --schedule "$schedule" \
+        timeout 170 torchrun --nproc-per-node 2 examples/pipeline_parallel.py --schedule "$schedule" \
             $fraction 2>&1 | grep -E "^rank|Error|error" | tee -a "$out/pipeline.log"
     done
 done
