@@ -28,6 +28,9 @@ MICROBATCHES = 4
 STEPS = 3
 FRACTIONS = (0.0, 0.5, 1.0)
 PROCESS_GROUPS = {"cpu": "gloo", "cuda": "nccl"}
+# Before 2.13 a pipeline's first training step after an eval() fails in torch itself,
+# with or without offloading ("has gradients None", pytorch/pytorch#182182).
+EVAL_BEFORE_TRAINING = torch.__version__ >= "2.13"
 TWO_GPUS = pytest.mark.skipif(
     torch.cuda.device_count() < WORLD or not dist.is_nccl_available(),
     reason=f"needs {WORLD} CUDA devices and NCCL",
@@ -108,7 +111,8 @@ def _train(
         step(*args, **kwargs)
         return losses
 
-    run(schedule.eval)
+    if EVAL_BEFORE_TRAINING:
+        run(schedule.eval)
     recorded = []
     for _ in range(STEPS):
         optimizer.zero_grad()
