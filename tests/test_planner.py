@@ -232,6 +232,15 @@ def test_reloads_that_cannot_arrive_in_time_are_issued_a_few_needs_ahead():
     assert result.prediction.peak_bytes < result.prediction.baseline_peak_bytes
 
 
+def test_reloads_with_time_to_spare_after_the_late_ones_stay_as_late_as_they_can():
+    # a8, a7, a6 and a5 (2 ms each) are needed at backward nodes 2 to 5, 1 to 4 ms in:
+    # all late. a5 is issued where a8 is needed. a0 (1 ms, needed at 9 ms) has time to
+    # spare after them: issued at node 8 (7 ms), as without the late ones.
+    groups = [group(0, MB), *(group(i, 2 * MB) for i in (5, 6, 7, 8))]
+    reload_at = {t.root: t.reload_at for t in plan(groups, share=1.0).transfers}
+    assert reload_at == {"a8": 1, "a7": 1, "a6": 1, "a5": 2, "a0": 8}
+
+
 def test_copies_that_cannot_overlap_compute_are_not_moved_by_auto():
     cpu_like = dataclasses.replace(PROFILE, copies_overlap_compute=False)
     result = plan(THREE, profile=cpu_like)
