@@ -161,7 +161,7 @@ def all_configs() -> list[Config]:
     return [
         Config("eager", "no offload", eager),
         Config("compiled", "no offload", compiled),
-        *our_configs(budgets=(0.7, 0.6)),
+        *our_configs(budgets=(0.7, 0.6, 0.5)),
         Config("save_on_cpu", "save_on_cpu", save_on_cpu, cuda_only=True),
         Config("checkpoint blocks", "checkpointing", checkpoint_blocks),
         *(

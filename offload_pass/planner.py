@@ -92,10 +92,15 @@ class Request:
 
 @dataclasses.dataclass(frozen=True)
 class ChunkPlan:
+    """The decisions, their placed transfers and the predicted step. ``overlap_depth``:
+    how many copies ahead of compute the queues may run where they cannot keep up
+    (lower than ``OVERLAP_DEPTH`` only when a memory budget needs it)."""
+
     decisions: tuple[Decision, ...]
     transfers: tuple[Transfer, ...]
     prediction: Prediction
     budget_bytes: int | None
+    overlap_depth: int = OVERLAP_DEPTH
 
     @property
     def budget_shortfall(self) -> int:
@@ -134,13 +139,13 @@ class _Clocks:
 
 
 def _wait_positions(
-    groups: Sequence[SavedGroup], costs: ChunkCosts, clocks: _Clocks
+    groups: Sequence[SavedGroup], costs: ChunkCosts, clocks: _Clocks, depth: int
 ) -> dict[str, int]:
     """Each offload_wait at the first node by which its copy is done, queued in order.
 
     A copy that cannot finish within forward even as predicted is waited for where the
-    copy ``OVERLAP_DEPTH`` later is produced: forward slows to the copy rate, but frees
-    its memory there, not at forward's end.
+    copy ``depth`` later is produced: forward slows to the copy rate, but frees its
+    memory there, not at forward's end.
     """
     last_forward = len(clocks.forward_end) - 2
     order = sorted(groups, key=lambda g: g.produced_at)
@@ -149,8 +154,8 @@ def _wait_positions(
     wait_at = {}
     for i, g in enumerate(order):
         done = bisect.bisect_left(clocks.forward_end, margined[i], lo=g.last_forward_use)
-        if predicted[i] > clocks.forward_seconds and i + OVERLAP_DEPTH < len(order):
-            done = max(g.last_forward_use, order[i + OVERLAP_DEPTH].produced_at)
+        if predicted[i] > clocks.forward_seconds and i + depth < len(order):
+            done = max(g.last_forward_use, order[i + depth].produced_at)
         wait_at[g.root] = min(done, last_forward)
     return wait_at
 
@@ -169,12 +174,12 @@ def _offload_ends(
 
 
 def _reload_positions(
-    groups: Sequence[SavedGroup], costs: ChunkCosts, clocks: _Clocks
+    groups: Sequence[SavedGroup], costs: ChunkCosts, clocks: _Clocks, depth: int
 ) -> dict[str, int]:
     """Each reload as late as the chain of reloads, latest needed first, still arrives.
 
     Reloads that cannot arrive in time even as predicted (the chain starts before
-    backward does) are issued ``OVERLAP_DEPTH`` reloads ahead of their need, not all at
+    backward does) are issued ``depth`` reloads ahead of their need, not all at
     backward's start: backward waits for them either way, and fewer are held at once.
     """
     order = sorted(groups, key=lambda g: (-g.first_backward_use, -g.produced_at))
@@ -185,7 +190,7 @@ def _reload_positions(
         issue = bisect.bisect_right(clocks.backward_start, start) - 1
         reload_at[g.root] = min(max(issue, clocks.first_backward_compute), g.first_backward_use)
     late = _late_front(order, predicted, clocks)
-    for ahead, g in zip(late, late[OVERLAP_DEPTH:], strict=False):
+    for ahead, g in zip(late, late[depth:], strict=False):
         reload_at[g.root] = max(reload_at[g.root], ahead.first_backward_use)
     issued = 0  # the queue is FIFO: none issued before one needed earlier
     for g in reversed(order):
@@ -222,9 +227,11 @@ def _reload_starts(
     return starts
 
 
-def place(groups: Sequence[SavedGroup], costs: ChunkCosts, clocks: _Clocks) -> list[Transfer]:
-    wait_at = _wait_positions(groups, costs, clocks)
-    reload_at = _reload_positions(groups, costs, clocks)
+def place(
+    groups: Sequence[SavedGroup], costs: ChunkCosts, clocks: _Clocks, depth: int = OVERLAP_DEPTH
+) -> list[Transfer]:
+    wait_at = _wait_positions(groups, costs, clocks, depth)
+    reload_at = _reload_positions(groups, costs, clocks, depth)
     return [
         Transfer(
             g.root,
@@ -297,21 +304,27 @@ def _within_budget(
     clocks: _Clocks,
     budget: int,
     in_flight: int,
-) -> set[str]:
-    """The shortest prefix of ``ranked`` that, with ``forced``, meets the budget (all of
-    ``ranked`` if none does)."""
+) -> tuple[set[str], int]:
+    """The shortest prefix of ``ranked`` that, with ``forced``, meets the budget, and the
+    overlap depth to place it with: ``OVERLAP_DEPTH`` if moving all of ``ranked`` meets
+    the budget there, else the deepest that does, down to 0 (each reload issued at its
+    need). If none does: all of ``ranked``, at the depth of the lowest peak."""
 
-    def peak(count: int) -> int:
-        return peak_bytes(costs, place([*forced, *ranked[:count]], costs, clocks), in_flight)
+    def peak(count: int, depth: int) -> int:
+        transfers = place([*forced, *ranked[:count]], costs, clocks, depth)
+        return peak_bytes(costs, transfers, in_flight)
 
+    peaks = {d: peak(len(ranked), d) for d in range(OVERLAP_DEPTH, -1, -1)}
+    meeting = [d for d, p in peaks.items() if p <= budget]
+    depth = max(meeting) if meeting else min(peaks, key=lambda d: (peaks[d], -d))
     low, high = 0, len(ranked)
     while low < high:
         middle = (low + high) // 2
-        if peak(middle) <= budget:
+        if peak(middle, depth) <= budget:
             high = middle
         else:
             low = middle + 1
-    return {g.root for g in ranked[:low]}
+    return {g.root for g in ranked[:low]}, depth
 
 
 def _budget_bytes(request: Request, costs: ChunkCosts) -> int | None:
@@ -330,18 +343,21 @@ def plan_offloads(groups: Sequence[SavedGroup], costs: ChunkCosts, request: Requ
     forced = [g for g in shared if g.root in chosen]
     hidden = _hides(by_mode, forced, costs, clocks, request.stall_tolerance)
     budget = _budget_bytes(request, costs)
+    depth = OVERLAP_DEPTH
     if budget is None:
         chosen |= hidden
         unchosen_reason = WOULD_NOT_HIDE
     else:
         ranked = sorted(by_mode, key=lambda g: (g.root not in hidden, -clocks.window(g)))
-        chosen |= _within_budget(ranked, forced, costs, clocks, budget, request.in_flight)
+        within, depth = _within_budget(ranked, forced, costs, clocks, budget, request.in_flight)
+        chosen |= within
         unchosen_reason = BUDGET_MET
 
     moved = [g for g in groups if g.root in chosen]
-    transfers = tuple(place(moved, costs, clocks))
+    transfers = tuple(place(moved, costs, clocks, depth))
     decisions = tuple(_decide(g, chosen, request, unchosen_reason) for g in groups)
-    return ChunkPlan(decisions, transfers, simulate(costs, transfers, request.in_flight), budget)
+    prediction = simulate(costs, transfers, request.in_flight)
+    return ChunkPlan(decisions, transfers, prediction, budget, depth)
 
 
 def _decide(g: SavedGroup, chosen: set[str], request: Request, unchosen: str) -> Decision:

@@ -117,6 +117,11 @@ def summary(plan: Plan) -> str:
         shortfall = plan.planned.budget_shortfall
         met = "met" if not shortfall else f"missed by {format_bytes(shortfall)}"
         lines.append(f"memory budget {format_bytes(plan.planned.budget_bytes)}: {met}")
+    if plan.planned.overlap_depth != planner.OVERLAP_DEPTH:
+        lines.append(
+            f"copies that cannot keep up run at most {plan.planned.overlap_depth} ahead of "
+            f"compute (default {planner.OVERLAP_DEPTH}), to lower the peak"
+        )
     return "\n".join(lines)
 
 

@@ -175,6 +175,16 @@ def test_a_budget_that_cannot_be_met_moves_everything_and_says_by_how_much():
     assert result.budget_shortfall == 3 * MB
 
 
+def test_a_budget_out_of_reach_is_met_with_fewer_copies_in_flight():
+    # Moving all of NINE, reloads issued OVERLAP_DEPTH (3) needs ahead, peaks at 12 MB;
+    # two ahead, at 10 MB. An 11 MB budget takes the deeper of the depths that meet it.
+    assert plan(NINE, share=1.0).prediction.peak_bytes == 12 * MB
+    result = plan(NINE, budget=11 * MB)
+    assert result.overlap_depth == 2
+    assert result.prediction.peak_bytes <= 11 * MB
+    assert result.budget_shortfall == 0
+
+
 def test_placement_keeps_the_contract():
     groups = [group(i, (i % 3 + 1) * MB) for i in range(9)]
     result = plan(groups, share=1.0)
