@@ -34,3 +34,13 @@ def test_harness_runs_on_a_tiny_model_and_writes_its_results(tmp_path):
     assert json.loads(written.read_text())["workloads"]["tiny"]["rows"]
     (table,) = tmp_path.glob("*.md")
     assert "offload_pass fraction 0.5" in table.read_text()
+
+
+def test_op_overhead_times_each_transfer_op():
+    import torch
+
+    from benchmarks import op_overhead
+
+    rows = dict(op_overhead.measure(torch.device("cpu"), calls=3))
+    assert list(rows)[:4] == ["offload", "offload_wait", "reload", "reload_wait"]
+    assert rows["all four, per storage moved"] == sum(list(rows.values())[:4])

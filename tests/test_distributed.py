@@ -9,6 +9,7 @@ backend get the same gradients as compiled without it."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 
@@ -27,6 +28,7 @@ WORLD = 2
 MICROBATCHES = 4
 STEPS = 3
 FRACTIONS = (0.0, 0.5, 1.0)
+COLLECTIVE_TIMEOUT_S = 180
 PROCESS_GROUPS = {"cpu": "gloo", "cuda": "nccl"}
 # Before 2.13 a pipeline's first training step after an eval() fails in torch itself,
 # with or without offloading ("has gradients None", pytorch/pytorch#182182).
@@ -52,7 +54,9 @@ def _init(kind: str, rank: int, port: int) -> torch.device:
     device = _device(kind, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(PROCESS_GROUPS[kind], rank=rank, world_size=WORLD)
+    # A rank that fails leaves the other waiting in a collective: fail it too, soon.
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    dist.init_process_group(PROCESS_GROUPS[kind], rank=rank, world_size=WORLD, timeout=timeout)
     return device
 
 

@@ -1,0 +1,59 @@
+"""Host time per call of each transfer op, on tensors small enough that the copies
+themselves cost nothing: what offloading adds to the host side of a step, per storage
+moved. Where steps are short (small microbatches), this is what the step pays.
+
+    python -m benchmarks.op_overhead [--device cuda] [--calls 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import tabulate
+import torch
+
+from offload_pass import ops
+
+
+def host_microseconds(call: Callable[[], object], calls: int) -> float:
+    call()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def measure(device: torch.device, calls: int) -> list[tuple[str, float]]:
+    a = torch.randn(256, device=device)
+    offloaded: list[torch.Tensor] = []
+    offload = host_microseconds(lambda: offloaded.append(ops.OFFLOAD(a, (1,))), calls)
+    h = offloaded[0]
+    wait = host_microseconds(lambda: ops.OFFLOAD_WAIT(h, a, []), calls)
+    reloaded: list[torch.Tensor] = []
+    reload = host_microseconds(lambda: reloaded.append(ops.RELOAD(h, device, [])), calls)
+    pending = iter(reloaded)
+    reload_wait = host_microseconds(lambda: ops.RELOAD_WAIT(next(pending)), calls)
+    baseline = host_microseconds(lambda: a.clone(), calls)
+    return [
+        ("offload", offload),
+        ("offload_wait", wait),
+        ("reload", reload),
+        ("reload_wait", reload_wait),
+        ("all four, per storage moved", offload + wait + reload + reload_wait),
+        ("a.clone(), for scale", baseline),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--calls", type=int, default=2000)
+    args = parser.parse_args()
+    rows = measure(torch.device(args.device), args.calls)
+    print(tabulate.tabulate(rows, headers=["op", "host us per call"], floatfmt=".1f"))
+
+
+if __name__ == "__main__":
+    main()
