@@ -7,9 +7,9 @@ microbatch's own forward and backward, since a device tensor is freed only at it
 offload_wait. Pass the depth as ``backend(in_flight_microbatches=...)``.
 
 Several GPUs of one host share its PCIe switches and host memory bandwidth: when every
-rank copies at once, each sees a share of what one GPU alone measures. Plan with that
-share: ``profile=dataclasses.replace(BUILT_IN["h200"], device_to_host=..., host_to_device=...)``
-with the bandwidths measured while all local ranks copy together.
+rank copies at once, each may see a share of what one GPU alone measures. Plan with that
+share: ``backend(profile=offload_pass.calibrate_shared())``, measured while all ranks copy
+together.
 """
 
 from __future__ import annotations
