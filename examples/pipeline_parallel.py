@@ -14,8 +14,10 @@ CUDA every rank first measures the copy bandwidth it gets while all ranks copy a
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -44,6 +46,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument(
+        "--trace-dir", help="write a profiler trace of one more step per rank and backend here"
+    )
     return parser.parse_args()
 
 
@@ -55,8 +60,11 @@ def stage_modules(args: argparse.Namespace, rank: int, world: int, virtual: int)
     return [nn.Sequential(*blocks[s * per_stage : (s + 1) * per_stage]) for s in ids]
 
 
-def train(args: argparse.Namespace, backend: object, rank: int, world: int) -> tuple[float, int]:
-    """(median step seconds after the first, peak device bytes) of this rank."""
+def train(
+    args: argparse.Namespace, backend: object, label: str, rank: int, world: int
+) -> tuple[float, int, int]:
+    """(median step seconds after the first, peak device bytes, pinned host allocations
+    after the first step) of this rank."""
     device = torch.device(args.device, rank if args.device == "cuda" else None)
     schedule_type, virtual = SCHEDULES[args.schedule]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -80,12 +88,8 @@ def train(args: argparse.Namespace, backend: object, rank: int, world: int) -> t
     optimizer = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=1e-3)
     x = torch.randn(args.batch, args.seq, args.dim, device=device, dtype=dtype)
     target = torch.randn(args.batch, args.seq, args.dim, device=device)
-    times = []
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    for _ in range(args.steps):
-        dist.barrier()
-        start = time.perf_counter()
+
+    def step() -> None:
         optimizer.zero_grad()
         if rank == 0:
             schedule.step(x)
@@ -96,13 +100,44 @@ def train(args: argparse.Namespace, backend: object, rank: int, world: int) -> t
         optimizer.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+
+    times = []
+    allocations = []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(args.steps):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
         times.append(time.perf_counter() - start)
+        allocations.append(pinned_allocations())
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-    return statistics.median(times[1:] or times), peak
+    if args.trace_dir:
+        write_trace(step, f"{args.trace_dir}/rank{rank}-{label}.json")
+    return statistics.median(times[1:] or times), peak, allocations[-1] - allocations[0]
+
+
+def pinned_allocations() -> int:
+    """New pinned host blocks so far (each a cudaHostAlloc); 0 without CUDA."""
+    if not torch.cuda.is_available():
+        return 0
+    return torch.cuda.host_memory_stats().get("num_host_alloc", 0)
+
+
+def write_trace(step: Callable[[], None], path: str) -> None:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    dist.barrier()
+    with torch.profiler.profile(activities=activities) as profiler:
+        step()
+    profiler.export_chrome_trace(path)
 
 
 def main() -> None:
     args = parse_args()
+    if args.trace_dir:
+        os.makedirs(args.trace_dir, exist_ok=True)
     on_cuda = args.device == "cuda"
     dist.init_process_group("nccl" if on_cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -124,12 +159,13 @@ def main() -> None:
     backends = {"no offload": "inductor", "offload": offload_pass.backend(**options)}
     for name, backend in backends.items():
         torch.compiler.reset()
-        seconds, peak = train(args, backend, rank, world)
+        seconds, peak, allocations = train(args, backend, name.replace(" ", "-"), rank, world)
         moved = sum(p.bytes_moved for p in getattr(backend, "plans", []))
         memory = f"peak {peak / 2**30:6.2f} GiB" if on_cuda else "peak n/a (CPU)"
         print(
             f"rank {rank} {args.schedule} {name:10s}: step {seconds * 1e3:8.1f} ms, {memory}, "
-            f"moved per microbatch {moved / 2**20:8.1f} MiB",
+            f"moved per microbatch {moved / 2**20:8.1f} MiB, "
+            f"new pinned blocks after step 1: {allocations}",
             flush=True,
         )
     dist.destroy_process_group()

@@ -165,12 +165,13 @@ def test_offloaded_pipeline_trains_like_the_plain_one(virtual, kind, tmp_path):
 
 
 @pytest.mark.skipif(not dist.is_gloo_available(), reason="needs gloo")
-def test_pipeline_example_runs_under_torchrun():
+def test_pipeline_example_runs_under_torchrun(tmp_path):
+    import json
     import subprocess
     import sys
 
     options = "--device cpu --dim 128 --heads 4 --seq 512 --layers 4 --batch 4"
-    options += " --microbatches 4 --steps 1 --fraction 1.0"
+    options += f" --microbatches 4 --steps 1 --fraction 1.0 --trace-dir {tmp_path}"
     command = [
         *(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"),
         *("--master-port", str(_free_port()), "examples/pipeline_parallel.py"),
@@ -181,6 +182,10 @@ def test_pipeline_example_runs_under_torchrun():
     lines = [line for line in done.stdout.splitlines() if line.startswith("rank")]
     assert len(lines) == 4
     assert all("moved per microbatch      0.0" not in line for line in lines if "offload " in line)
+    traces = sorted(p.name for p in tmp_path.glob("*.json"))
+    assert traces == [f"rank{r}-{b}.json" for r in (0, 1) for b in ("no-offload", "offload")]
+    events = json.loads((tmp_path / "rank0-offload.json").read_text())["traceEvents"]
+    assert any(e.get("name") == "offload_pass::offload" for e in events)
 
 
 def _fsdp_gradients(rank: int, device: torch.device, backend) -> list[torch.Tensor]:
