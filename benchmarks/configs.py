@@ -154,6 +154,10 @@ def our_configs(budgets: tuple[float, ...]) -> list[Config]:
     configs += [
         Config(f"offload_pass budget {b:g}", "offload_pass", ours(memory_budget=b)) for b in budgets
     ]
+    configs += [
+        Config(f"offload_pass auto, recompute {r:g}", "offload_pass", ours(recompute_budget=r))
+        for r in (0.7, 0.5)
+    ]
     return configs
 
 

@@ -38,31 +38,55 @@ def fusible_tags(tag_namespace: Any = torch.Tag) -> tuple[torch.Tag, ...]:
 
 
 def stock_partition(
-    joint: torch.fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
+    joint: torch.fx.GraphModule,
+    joint_inputs: Sequence[object],
+    recompute_budget: float | None = None,
+    **kwargs: Any,
 ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
-    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+    """The min-cut partitioner, with ``recompute_budget`` as torch's
+    ``activation_memory_budget`` where given (torch's own setting where None)."""
+    from torch._functorch import config
+
+    budget = config.activation_memory_budget if recompute_budget is None else recompute_budget
+    with config.patch(activation_memory_budget=budget):
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
 def compile_with_inductor(
     gm: torch.fx.GraphModule,
     example_inputs: Sequence[object],
     partitioner: CustomPartitionerFn,
+    holds_transfers: Callable[[torch.fx.GraphModule], bool],
 ) -> Callable[..., Any]:
     """Inductor with ``partitioner`` in place of its own.
 
     Compile caches are off for these graphs: a cached graph would skip the partitioner,
-    and with it the current plan (fractions change between compiles). Inductor's
-    peak-memory reordering is off too: it would sink each reload to its first use, where
-    its copy cannot overlap anything; the plan has already ordered the graph for memory.
+    and with it the current plan (fractions change between compiles).
     """
-    from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx
 
     patches = {"custom_partitioner_fn": partitioner, "fx_graph_cache": False}
-    if hasattr(config, "reorder_for_peak_memory"):
-        patches["reorder_for_peak_memory"] = False
     with torch._functorch.config.patch(enable_autograd_cache=False):
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        return compile_fx(
+            gm,
+            example_inputs,
+            inner_compile=_compile_graph(holds_transfers),
+            config_patches=patches,
+        )
+
+
+def _compile_graph(holds_transfers: Callable[[torch.fx.GraphModule], bool]) -> Callable[..., Any]:
+    """Inductor's per-graph compile, with peak-memory reordering off in graphs that hold
+    transfers: it would sink each reload to its first use, where its copy cannot overlap
+    anything, and the plan has already ordered those graphs for memory."""
+    from torch._inductor import compile_fx, config
+
+    def compile_graph(graph: torch.fx.GraphModule, inputs: Sequence[object], **kwargs: Any) -> Any:
+        patches = {"reorder_for_peak_memory": False} if holds_transfers(graph) else {}
+        with config.patch(patches):
+            return compile_fx.compile_fx_inner(graph, inputs, **kwargs)
+
+    return compile_graph
 
 
 def inductor_decompositions() -> dict[Any, Callable[..., Any]]:

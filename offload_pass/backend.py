@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from offload_pass import _compat
+from offload_pass import _compat, ops
 from offload_pass.options import DEFAULT_MIN_BYTES, DEFAULT_STALL_TOLERANCE, OffloadOptions
 from offload_pass.partition import OffloadPartitioner
 from offload_pass.plan import Plan
@@ -44,7 +44,7 @@ class OffloadBackend:
         partitioner = self.partitioner_for(gm)
         if self.options.compiler == "eager":
             return _compat.compile_with_eager(gm, example_inputs, partitioner)
-        return _compat.compile_with_inductor(gm, example_inputs, partitioner)
+        return _compat.compile_with_inductor(gm, example_inputs, partitioner, ops.holds_transfers)
 
     def __repr__(self) -> str:
         return f"OffloadBackend({self.options})"
@@ -60,6 +60,7 @@ def backend(
     compiler: str = "inductor",
     dump_dir: str | os.PathLike[str] | None = None,
     in_flight_microbatches: int = 1,
+    recompute_budget: float | None = None,
 ) -> OffloadBackend:
     """A torch.compile backend that offloads saved activations to pinned host memory.
 
@@ -85,6 +86,10 @@ def backend(
         in_flight_microbatches: how many microbatches' activations a pipeline stage holds
             at once (its warm-up depth; see :mod:`offload_pass.pipeline`); the predicted
             peak and ``memory_budget`` count that many.
+        recompute_budget: torch's ``activation_memory_budget`` for these graphs, in
+            (0, 1]: the stock partitioner first recomputes what is cheapest to recompute
+            until the saved activations fit that share, and offload_pass plans what is
+            left. None keeps ``torch._functorch.config.activation_memory_budget``.
     """
     options = OffloadOptions.create(
         fraction,
@@ -95,6 +100,7 @@ def backend(
         compiler,
         dump_dir,
         in_flight_microbatches,
+        recompute_budget,
     )
     return OffloadBackend(options)
 

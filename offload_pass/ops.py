@@ -11,6 +11,7 @@ planner placed them, so no compiler pass can move them earlier than that point.
 from collections.abc import Sequence
 
 import torch
+import torch.fx
 from torch import Tensor
 
 from offload_pass import _compat, runtime
@@ -70,3 +71,8 @@ OFFLOAD = torch.ops.offload_pass.offload.default
 OFFLOAD_WAIT = torch.ops.offload_pass.offload_wait.default
 RELOAD = torch.ops.offload_pass.reload.default
 RELOAD_WAIT = torch.ops.offload_pass.reload_wait.default
+TRANSFERS = frozenset({OFFLOAD, OFFLOAD_WAIT, RELOAD, RELOAD_WAIT})
+
+
+def holds_transfers(gm: torch.fx.GraphModule) -> bool:
+    return any(node.target in TRANSFERS for node in gm.graph.nodes)

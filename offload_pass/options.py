@@ -48,6 +48,7 @@ class OffloadOptions:
     compiler: Compiler = "inductor"
     dump_dir: str | None = None
     in_flight_microbatches: int = 1
+    recompute_budget: float | None = None
 
     @classmethod
     def create(
@@ -60,6 +61,7 @@ class OffloadOptions:
         compiler: str = "inductor",
         dump_dir: str | os.PathLike[str] | None = None,
         in_flight_microbatches: int = 1,
+        recompute_budget: float | None = None,
     ) -> OffloadOptions:
         if fraction is not None and memory_budget is not None:
             raise ValueError("give either fraction or memory_budget, not both")
@@ -87,6 +89,7 @@ class OffloadOptions:
             compiler,  # type: ignore[arg-type]
             _check_dump_dir(dump_dir),
             _check_in_flight(in_flight_microbatches),
+            _check_recompute_budget(recompute_budget),
         )
 
     @property
@@ -110,6 +113,16 @@ def _check_in_flight(count: object) -> int:
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"in_flight_microbatches must be an int >= 1, got {count!r}")
     return count
+
+
+def _check_recompute_budget(budget: object) -> float | None:
+    if budget is None:
+        return None
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise TypeError(f"recompute_budget must be a number in (0, 1], got {budget!r}")
+    if not 0.0 < budget <= 1.0:
+        raise ValueError(f"recompute_budget must be in (0, 1], got {budget!r}")
+    return float(budget)
 
 
 def _check_dump_dir(folder: object) -> str | None:

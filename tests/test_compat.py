@@ -80,3 +80,41 @@ def test_log_name_registers_with_torch_logging():
 def test_inductor_decompositions_are_available():
     table = _compat.inductor_decompositions()
     assert torch.ops.aten.native_layer_norm.default in table
+
+
+def _record_setting(monkeypatch, module, name, read):
+    seen = []
+
+    def record(*args, **kwargs):
+        seen.append(read())
+        return "compiled"
+
+    monkeypatch.setattr(module, name, record)
+    return seen
+
+
+def test_stock_partition_runs_under_the_recompute_budget(monkeypatch):
+    from torch._functorch import config
+
+    seen = _record_setting(
+        monkeypatch,
+        _compat,
+        "min_cut_rematerialization_partition",
+        lambda: config.activation_memory_budget,
+    )
+    _compat.stock_partition(None, [], 0.25)
+    with config.patch(activation_memory_budget=0.6):
+        _compat.stock_partition(None, [], None)
+    assert seen == [0.25, 0.6]
+
+
+def test_peak_memory_reordering_is_off_only_in_graphs_with_transfers(monkeypatch):
+    from torch._inductor import compile_fx, config
+
+    seen = _record_setting(
+        monkeypatch, compile_fx, "compile_fx_inner", lambda: config.reorder_for_peak_memory
+    )
+    with config.patch(reorder_for_peak_memory=True):
+        assert _compat._compile_graph(lambda graph: True)(None, []) == "compiled"
+        assert _compat._compile_graph(lambda graph: False)(None, []) == "compiled"
+    assert seen == [False, True]

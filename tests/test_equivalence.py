@@ -70,3 +70,21 @@ def test_graph_break_gives_one_plan_per_chunk():
         "first",
         "second",
     }
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_recompute_budget_recomputes_then_offloads_what_is_left(compiler):
+    x = torch.randn(2, 16, 32)
+    model, reference, backend = compiled_pair(
+        models.BlockStack, compiler, fraction=1.0, recompute_budget=0.1
+    )
+    with torch._functorch.config.patch(activation_memory_budget=0.1):
+        expected = [train_step(reference, x, seed=step) for step in range(2)]
+    for step in range(2):
+        assert_same_step(train_step(model, x, seed=step), expected[step])
+    without, _, saving_all = compiled_pair(models.BlockStack, compiler, fraction=1.0)
+    train_step(without, x)
+    (plan,) = backend.plans
+    (full,) = saving_all.plans
+    assert plan.moved
+    assert sum(d.group.nbytes for d in plan.decisions) < sum(d.group.nbytes for d in full.decisions)

@@ -160,3 +160,14 @@ def test_in_flight_microbatches_of_known_schedules():
         in_flight_microbatches("ScheduleInterleaved1F1B", 0, 2, 4)
     with pytest.raises(ValueError, match="stage_index"):
         in_flight_microbatches("Schedule1F1B", 4, 4, 8)
+
+
+@pytest.mark.parametrize("budget", [0, 0.0, 1.5, -0.2, True, "0.5"])
+def test_bad_recompute_budget_is_rejected(budget):
+    with pytest.raises((ValueError, TypeError), match="recompute_budget"):
+        offload_pass.backend(recompute_budget=budget)
+
+
+def test_recompute_budget_is_kept_as_a_share():
+    assert offload_pass.backend(recompute_budget=1).options.recompute_budget == 1.0
+    assert offload_pass.backend().options.recompute_budget is None
