@@ -277,6 +277,13 @@ def run_workload(
     return results
 
 
+def write(results: dict[str, Any], report: Sequence[str], stem: Path) -> None:
+    """The results so far: written after each workload, so a run cut short keeps them."""
+    stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
+    stem.with_suffix(".md").write_text("\n".join(report))
+    plot(results, stem.with_suffix(".png"))
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", default=["W1", "W2"])
@@ -299,6 +306,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"# {hardware.device}, torch {torch.__version__}, {results['date']}\n",
         _hardware_line(hardware),
     ]
+    args.out.mkdir(parents=True, exist_ok=True)
+    device_name = re.sub(r"[^A-Za-z0-9]+", "-", hardware.device).strip("-").lower()
+    stem = args.out / f"{device_name}-{results['date']}"
     for name in args.workloads:
         rows = derive(
             run_workload(name, args.configs, args.steps, device, args.show_plans), hardware
@@ -316,15 +326,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 f"### offload_pass auto, predicted against profiled\n\n```\n{comparison}\n```\n"
             )
         print(report[-1], flush=True)
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = (
-        args.out
-        / f"{re.sub(r'[^A-Za-z0-9]+', '-', hardware.device).strip('-').lower()}-{results['date']}"
-    )
-    stem.with_suffix(".json").write_text(json.dumps(results, indent=2))
-    stem.with_suffix(".md").write_text("\n".join(report))
-    plot(results, stem.with_suffix(".png"))
+        write(results, report, stem)
     return results
 
 

@@ -82,6 +82,13 @@ def _alias(code: str, buffer: str) -> str:
     return match.group(1) if match else buffer
 
 
+def _position(code: str, pattern: str) -> int:
+    """Where ``pattern`` first matches; whole buffer names only (``buf1`` is not ``buf10``)."""
+    match = re.search(pattern, code)
+    assert match, f"no match for {pattern!r}"
+    return match.start()
+
+
 _DEVICES = [
     "cpu",
     pytest.param(
@@ -106,9 +113,9 @@ def test_inductor_keeps_the_order_in_generated_code(device):
     offloads = re.findall(offload_call, forward_code)
     assert len(offloads) == len(backend.plans[0].moved)
     for host, device_buffer in offloads:
-        produced = forward_code.index(f"{device_buffer} = ")
-        issued = forward_code.index(f"{host} = torch.ops.offload_pass.offload")
-        waited = forward_code.index(f"offload_wait.default({_alias(forward_code, host)}")
+        produced = _position(forward_code, rf"\b{device_buffer} = ")
+        issued = _position(forward_code, rf"\b{host} = torch\.ops\.offload_pass\.offload\b")
+        waited = _position(forward_code, rf"offload_wait\.default\({_alias(forward_code, host)}\b")
         assert produced < issued < waited
         later = forward_code[waited:].splitlines()[1:]
         reads = [line for line in _calls(later) if re.search(rf"\b{device_buffer}\b", line)]
@@ -117,9 +124,9 @@ def test_inductor_keeps_the_order_in_generated_code(device):
     reloads = re.findall(r"(\w+) = torch\.ops\.offload_pass\.reload\.default\(", backward_code)
     assert len(reloads) == len(backend.plans[0].moved)
     for result in reloads:
-        issued = backward_code.index(f"{result} = torch.ops.offload_pass.reload")
+        issued = _position(backward_code, rf"\b{result} = torch\.ops\.offload_pass\.reload\b")
         buffer = _alias(backward_code, result)
-        waited = backward_code.index(f"reload_wait.default({buffer}")
+        waited = _position(backward_code, rf"reload_wait\.default\({buffer}\b")
         first_read = min(
             m.start() for m in re.finditer(rf"\b{buffer}\b", backward_code[waited + 1 :])
         )
