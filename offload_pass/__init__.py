@@ -9,6 +9,7 @@ from offload_pass.backend import OffloadBackend, backend, default_backend, offlo
 from offload_pass.calibration import calibrate_shared
 from offload_pass.explain import explain
 from offload_pass.options import OffloadOptions, set_fraction
+from offload_pass.peak import PeakBreakdown, peak_breakdown
 from offload_pass.plan import Plan
 from offload_pass.planner import Decision, Placement
 from offload_pass.profiles import DeviceProfile
@@ -26,6 +27,7 @@ __all__ = [
     "OffloadBackend",
     "OffloadError",
     "OffloadOptions",
+    "PeakBreakdown",
     "Placement",
     "Plan",
     "Prediction",
@@ -35,6 +37,7 @@ __all__ = [
     "counts",
     "default_backend",
     "explain",
+    "peak_breakdown",
     "set_fraction",
 ]
 __version__ = "0.1.0"

@@ -239,3 +239,18 @@ def register_log_name(name: str) -> None:
         return
     if name not in log_registry.log_alias_to_log_qnames:
         register_log(name, name)
+
+
+def cuda_allocation_trace(step: Callable[[], None], device: int) -> list[dict[str, Any]]:
+    """The CUDA caching allocator's alloc and free events during ``step``, each with the
+    Python frames that made it (innermost first)."""
+    from torch.cuda import memory
+
+    memory._record_memory_history("all", context="all", stacks="python", device=device)
+    try:
+        already = len(memory._snapshot(device)["device_traces"][device])
+        step()
+        torch.cuda.synchronize(device)
+        return memory._snapshot(device)["device_traces"][device][already:]
+    finally:
+        memory._record_memory_history(None, device=device)

@@ -1,0 +1,125 @@
+"""What is alive at a step's measured peak on CUDA, and which line of code allocated it.
+
+The cost model predicts the peak from the FX graphs; the compiled code may allocate
+differently. This replays the caching allocator's events for one step and names, for each
+block alive at the peak, the first frame outside torch that allocated it: a line of
+Inductor's generated code, of offload_pass's runtime, or of the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import linecache
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import tabulate
+import torch
+
+from offload_pass import _compat
+from offload_pass.report import format_bytes
+
+TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+@dataclasses.dataclass(frozen=True)
+class AllocationSite:
+    where: str
+    code: str
+    nbytes: int
+    blocks: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PeakBreakdown:
+    """``peak_bytes``: allocated at the step's peak, including ``before_bytes`` (what was
+    allocated when the step began); ``sites``: what the step added, largest first."""
+
+    peak_bytes: int
+    before_bytes: int
+    sites: tuple[AllocationSite, ...]
+    reached_at: str
+
+    def format(self, top: int = 20) -> str:
+        rows = [(s.where, s.code, format_bytes(s.nbytes), s.blocks) for s in self.sites[:top]]
+        table = tabulate.tabulate(
+            rows, headers=("allocated at", "code", "live", "blocks"), disable_numparse=True
+        )
+        return (
+            f"peak {format_bytes(self.peak_bytes)}: {format_bytes(self.before_bytes)} from "
+            f"before the step, the rest allocated by the step; reached at {self.reached_at}\n"
+            f"{table}"
+        )
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+def allocation_site(frames: Sequence[Mapping[str, Any]], torch_dir: str = TORCH_DIR) -> str:
+    """``file:line function`` of the innermost frame outside torch's own sources."""
+    for frame in frames:
+        filename = frame["filename"]
+        if not filename.startswith(torch_dir) and not filename.startswith("<"):
+            return f"{filename}:{frame['line']} {frame['name']}"
+    return "torch internals"
+
+
+def breakdown_from_trace(
+    entries: Sequence[Mapping[str, Any]], before_bytes: int, torch_dir: str = TORCH_DIR
+) -> PeakBreakdown:
+    """Replay alloc and free events; what was live when the total was highest."""
+    totals = _totals(entries)
+    index = max(range(len(totals)), key=totals.__getitem__, default=-1)
+    peak = totals[index] if index >= 0 else 0
+    sites: dict[str, list[int]] = {}
+    for entry in _live_after(entries[: index + 1]):
+        sites.setdefault(allocation_site(entry["frames"], torch_dir), []).append(entry["size"])
+    ranked = sorted(sites.items(), key=lambda item: -sum(item[1]))
+    return PeakBreakdown(
+        before_bytes + peak,
+        before_bytes,
+        tuple(AllocationSite(w, _source_line(w), sum(s), len(s)) for w, s in ranked),
+        allocation_site(entries[index]["frames"], torch_dir) if index >= 0 else "before the step",
+    )
+
+
+def _totals(entries: Sequence[Mapping[str, Any]]) -> list[int]:
+    """Bytes the step holds after each event."""
+    live: set[int] = set()
+    total, totals = 0, []
+    for entry in entries:
+        if entry["action"] == "alloc":
+            live.add(entry["addr"])
+            total += entry["size"]
+        elif entry["action"] == "free_completed" and entry["addr"] in live:
+            live.discard(entry["addr"])
+            total -= entry["size"]
+        totals.append(total)
+    return totals
+
+
+def _live_after(entries: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    live: dict[int, Mapping[str, Any]] = {}
+    for entry in entries:
+        if entry["action"] == "alloc":
+            live[entry["addr"]] = entry
+        elif entry["action"] == "free_completed":
+            live.pop(entry["addr"], None)
+    return list(live.values())
+
+
+def _source_line(site: str) -> str:
+    location = site.split(" ", 1)[0]
+    filename, _, line = location.rpartition(":")
+    return linecache.getline(filename, int(line)).strip() if line.isdigit() else ""
+
+
+def peak_breakdown(step: Callable[[], None], device: int | None = None) -> PeakBreakdown:
+    """Run ``step`` once (warm it up first) and break down its peak CUDA memory."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("peak_breakdown reads the CUDA caching allocator; no CUDA device")
+    index = torch.cuda.current_device() if device is None else device
+    torch.cuda.synchronize(index)
+    before = torch.cuda.memory_allocated(index)
+    return breakdown_from_trace(_compat.cuda_allocation_trace(step, index), before)
