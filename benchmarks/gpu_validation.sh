@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs on a CUDA machine from the repository root: the CUDA tests, the side-by-side
-# benchmark on W1 and W2 (about 20 minutes) and the main example.
+# benchmark on W1 and W2 (about 20 minutes), the main example, and what is alive at the
+# measured peak of the W1 configurations whose predicted peak is furthest off.
 # Logs and results go to $OUT (or ./out).
 set -o pipefail
 out=${OUT:-out}
@@ -11,4 +12,6 @@ python -m pytest -q -p no:logging -m cuda -rs tests 2>&1 | tee "$out/pytest.log"
 status=$?
 python -m benchmarks.compare --out "$out" 2>&1 | tee "$out/compare.log"
 python examples/train_gpt.py --steps 8 2>&1 | tee "$out/train_gpt_auto.log"
+python -m benchmarks.peak_breakdown --workload W1 --configs "offload_pass fraction 1" \
+    "memory_budget 0.7" "offload_pass auto, recompute 0.7" 2>&1 | tee "$out/peak_breakdown.log"
 exit $status
