@@ -21,6 +21,9 @@ from offload_pass import _compat
 from offload_pass.report import format_bytes
 
 TORCH_DIR = os.path.dirname(torch.__file__)
+FREE = "free_requested"
+"""The event at which the allocator stops counting a block as allocated (its memory may
+be reused later, once the streams that used it are done)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +95,7 @@ def _totals(entries: Sequence[Mapping[str, Any]]) -> list[int]:
         if entry["action"] == "alloc":
             live.add(entry["addr"])
             total += entry["size"]
-        elif entry["action"] == "free_completed" and entry["addr"] in live:
+        elif entry["action"] == FREE and entry["addr"] in live:
             live.discard(entry["addr"])
             total -= entry["size"]
         totals.append(total)
@@ -104,7 +107,7 @@ def _live_after(entries: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]
     for entry in entries:
         if entry["action"] == "alloc":
             live[entry["addr"]] = entry
-        elif entry["action"] == "free_completed":
+        elif entry["action"] == FREE:
             live.pop(entry["addr"], None)
     return list(live.values())
 
