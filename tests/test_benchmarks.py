@@ -44,3 +44,24 @@ def test_op_overhead_times_each_transfer_op():
     rows = dict(op_overhead.measure(torch.device("cpu"), calls=3))
     assert list(rows)[:4] == ["offload", "offload_wait", "reload", "reload_wait"]
     assert rows["all four, per storage moved"] == sum(list(rows.values())[:4])
+
+
+def test_megatron_decoder_has_the_workload_shape_and_trains():
+    import pytest
+    import torch
+
+    pytest.importorskip("megatron.core")
+    from benchmarks import workloads
+    from benchmarks.megatron import megatron_forward
+
+    w = workloads.TINY
+    model, x = workloads.build(w, "cpu")
+    count = sum(p.numel() for p in model.parameters())
+    loss_of_batch = megatron_forward(model, offload=())
+    loss = loss_of_batch(x)
+    loss.backward()
+    parameters = list(loss_of_batch.block.parameters())
+    qkv_biases = w.layers * 3 * w.dim
+    assert sum(p.numel() for p in parameters) == count + qkv_biases
+    assert torch.isfinite(loss) and all(p.grad is not None for p in parameters)
+    assert all(p.device.type == "meta" for p in model.parameters())
