@@ -308,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ]
     args.out.mkdir(parents=True, exist_ok=True)
     device_name = re.sub(r"[^A-Za-z0-9]+", "-", hardware.device).strip("-").lower()
-    stem = args.out / f"{device_name}-{results['date']}"
+    stem = args.out / f"{device_name}-{results['date']}-{'-'.join(args.workloads).lower()}"
     for name in args.workloads:
         rows = derive(
             run_workload(name, args.configs, args.steps, device, args.show_plans), hardware
