@@ -6,7 +6,8 @@ workload's dimensions: LayerNorm, fused QKV linear, causal attention through
 matrix), output projection, LayerNorm, Linear(d, 4d), GELU, Linear(4d, d). Megatron-Core
 puts a bias on every linear or on none, so its QKV linear has the 3d bias W1's lacks.
 Its offloading is switched on with ``fine_grained_activation_offloading`` and
-``offload_modules``; it runs eagerly, as Megatron-Core does.
+``offload_modules``; it runs eagerly, as Megatron-Core does. Each step lays the batch out
+as Megatron-Core's [sequence, batch, hidden] with one copy (64 MiB for W1).
 
 Megatron-Core 0.16.1 sets a flag in Transformer Engine's CPU-offload module while it
 offloads and refuses to run when Transformer Engine is missing. Only Transformer Engine's
@@ -77,7 +78,6 @@ def _decoder(like: Decoder, device: torch.device, offload: Sequence[str]) -> nn.
         num_attention_heads=first.heads,
         ffn_hidden_size=first.fc1.out_features,
         add_bias_linear=True,
-        add_qkv_bias=False,
         activation_func=F.gelu,
         normalization="LayerNorm",
         hidden_dropout=0.0,
