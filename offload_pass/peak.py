@@ -59,13 +59,27 @@ class PeakBreakdown:
         return self.format()
 
 
+def _outside_torch(frames: Sequence[Mapping[str, Any]], torch_dir: str) -> Mapping[str, Any] | None:
+    """The innermost frame outside torch's own sources."""
+    return next(
+        (f for f in frames if not f["filename"].startswith((torch_dir, "<"))),
+        None,
+    )
+
+
 def allocation_site(frames: Sequence[Mapping[str, Any]], torch_dir: str = TORCH_DIR) -> str:
     """``file:line function`` of the innermost frame outside torch's own sources."""
-    for frame in frames:
-        filename = frame["filename"]
-        if not filename.startswith(torch_dir) and not filename.startswith("<"):
-            return f"{filename}:{frame['line']} {frame['name']}"
-    return "torch internals"
+    frame = _outside_torch(frames, torch_dir)
+    return (
+        "torch internals"
+        if frame is None
+        else f"{frame['filename']}:{frame['line']} {frame['name']}"
+    )
+
+
+def _source_line(frames: Sequence[Mapping[str, Any]], torch_dir: str) -> str:
+    frame = _outside_torch(frames, torch_dir)
+    return "" if frame is None else linecache.getline(frame["filename"], frame["line"]).strip()
 
 
 def breakdown_from_trace(
@@ -75,14 +89,17 @@ def breakdown_from_trace(
     totals = _totals(entries)
     index = max(range(len(totals)), key=totals.__getitem__, default=-1)
     peak = totals[index] if index >= 0 else 0
-    sites: dict[str, list[int]] = {}
+    sizes: dict[str, list[int]] = {}
+    code: dict[str, str] = {}
     for entry in _live_after(entries[: index + 1]):
-        sites.setdefault(allocation_site(entry["frames"], torch_dir), []).append(entry["size"])
-    ranked = sorted(sites.items(), key=lambda item: -sum(item[1]))
+        where = allocation_site(entry["frames"], torch_dir)
+        sizes.setdefault(where, []).append(entry["size"])
+        code.setdefault(where, _source_line(entry["frames"], torch_dir))
+    ranked = sorted(sizes.items(), key=lambda item: -sum(item[1]))
     return PeakBreakdown(
         before_bytes + peak,
         before_bytes,
-        tuple(AllocationSite(w, _source_line(w), sum(s), len(s)) for w, s in ranked),
+        tuple(AllocationSite(w, code[w], sum(s), len(s)) for w, s in ranked),
         allocation_site(entries[index]["frames"], torch_dir) if index >= 0 else "before the step",
     )
 
@@ -110,12 +127,6 @@ def _live_after(entries: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]
         elif entry["action"] == FREE:
             live.pop(entry["addr"], None)
     return list(live.values())
-
-
-def _source_line(site: str) -> str:
-    location = site.split(" ", 1)[0]
-    filename, _, line = location.rpartition(":")
-    return linecache.getline(filename, int(line)).strip() if line.isdigit() else ""
 
 
 def peak_breakdown(step: Callable[[], None], device: int | None = None) -> PeakBreakdown:

@@ -94,3 +94,14 @@ def test_the_breakdown_peak_is_the_allocator_peak():
     assert abs(breakdown.peak_bytes - torch.cuda.max_memory_allocated()) < 2**20
     assert breakdown.before_bytes >= kept.numel() * 4
     assert any("test_peak.py" in s.where for s in breakdown.sites)
+
+
+def test_each_site_shows_its_line_of_code():
+    import inspect
+
+    line = inspect.currentframe().f_lineno + 1
+    frames = [{"filename": __file__, "line": line, "name": "test"}]  # the allocating line
+    breakdown = peak.breakdown_from_trace(
+        [{"action": "alloc", "addr": 1, "size": 8, "frames": frames}], 0, TORCH
+    )
+    assert breakdown.sites[0].code.endswith("# the allocating line")
