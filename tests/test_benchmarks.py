@@ -65,3 +65,25 @@ def test_megatron_decoder_has_the_workload_shape_and_trains():
     assert sum(p.numel() for p in parameters) == count + qkv_biases
     assert torch.isfinite(loss) and all(p.grad is not None for p in parameters)
     assert all(p.device.type == "meta" for p in model.parameters())
+
+
+def test_code_peak_follows_allocations_reuses_and_last_aliases():
+    import torch
+
+    from benchmarks.inductor_memory import code_peak
+
+    base = torch.empty(64, dtype=torch.uint8)
+    saved = {"view_a": base[:32], "view_b": base[32:]}  # one 64-byte storage
+    code = "\n".join(
+        [
+            "        buf0 = empty_strided_cpu((4, 4), (4, 1), torch.float32)",  # +64
+            "        del view_a",  # view_b still holds the storage
+            "        buf1 = reinterpret_tensor(buf0, (16, ), (1, ), 0); del buf0  # reuse",
+            "        buf2 = empty_strided_cpu((8, ), (1, ), torch.bfloat16)",  # +16
+            "        del view_b",  # -64
+            "        del buf1",  # -64
+        ]
+    )
+    peak, at = code_peak(code, resident=100, saved=saved)
+    assert peak == 100 + 64 + 64 + 16
+    assert at.startswith("buf2 = empty_strided_cpu")

@@ -1,0 +1,121 @@
+"""The backward graph's memory as Inductor's generated CPU code allocates it, beside the
+cost model's predicted peak: a CPU check of what the cost model assumes Inductor fuses.
+
+    python -m benchmarks.inductor_memory --layers 8 --recompute-budget 0.7
+
+The workload is W1 with ``--layers`` blocks, planned on the CPU with the H200 profile and
+nothing moved. Backward's wrapper code is generated (its kernels compiled, not run) and
+read in order: parameters and the batch are resident, saved tensors are freed where the
+code deletes their last alias, buffers are allocated and freed where the code says.
+Inductor's CPU code fuses a little differently from its GPU code, so this is a lead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from collections.abc import Sequence
+
+import torch
+import torch.fx
+from torch._guards import detect_fake_mode
+from torch._inductor.compile_fx import compile_fx_inner
+from torch.multiprocessing.reductions import StorageWeakRef
+
+import offload_pass
+from benchmarks import workloads
+from offload_pass.report import format_bytes
+
+_ALLOCATION = re.compile(r"\s*(buf\d+) = empty_strided_cpu\(\(([^)]*)\), \([^)]*\), torch\.(\w+)\)")
+_REUSE = re.compile(r"\s*(buf\d+) = (?:reinterpret_tensor\()?(buf\d+)\b.*; del \2\s+# reuse")
+_DELETE = re.compile(r"\bdel (\w+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class CodePeak:
+    predicted_bytes: int
+    code_bytes: int
+    at_line: str
+
+
+def backward_code(gm: torch.fx.GraphModule) -> str:
+    inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    with detect_fake_mode(inputs):
+        return compile_fx_inner(gm, inputs, is_backward=True).source_code
+
+
+def code_peak(code: str, resident: int, saved: dict[str, torch.Tensor]) -> tuple[int, str]:
+    """The most the code holds at once: ``resident`` bytes, the ``saved`` inputs until the
+    code deletes every alias of each storage, and its own buffers."""
+    owner: dict[str, StorageWeakRef] = {}
+    names: dict[StorageWeakRef, set[str]] = {}
+    live: dict[object, int] = {}
+    for name, value in saved.items():
+        ref = StorageWeakRef(value.untyped_storage())
+        owner[name] = ref
+        names.setdefault(ref, set()).add(name)
+        live[ref] = value.untyped_storage().nbytes()
+    total = peak = resident + sum(live.values())
+    at = "start"
+    for line in code.splitlines():
+        if reuse := _REUSE.match(line):
+            live[reuse.group(1)] = live.pop(reuse.group(2), 0)
+            continue
+        if allocation := _ALLOCATION.match(line):
+            numel = 1
+            for size in filter(str.strip, allocation.group(2).split(",")):
+                numel *= int(size)
+            dtype = getattr(torch, allocation.group(3))
+            live[allocation.group(1)] = numel * dtype.itemsize
+            total += live[allocation.group(1)]
+        for name in _DELETE.findall(line):
+            key = owner.get(name, name)
+            aliases = names.get(key)
+            if aliases is not None:
+                aliases.discard(name)
+                if aliases:
+                    continue
+            total -= live.pop(key, 0)
+        if total > peak:
+            peak, at = total, line.strip()
+    return peak, at
+
+
+def measure(layers: int, recompute_budget: float | None) -> CodePeak:
+    workload = dataclasses.replace(workloads.W1, layers=layers)
+    model, x = workloads.build(workload, "cpu")
+    report = offload_pass.explain(
+        workloads.WithLoss(model),
+        x,
+        profile="h200",
+        fraction=0.0,
+        recompute_budget=recompute_budget,
+    )
+    (plan,) = report.plans
+    resident = sum(p.numel() * p.element_size() for p in model.parameters())
+    resident += x.numel() * x.element_size()
+    saved = {
+        n.name: n.meta["val"]
+        for n in plan.backward.graph.nodes
+        if n.op == "placeholder" and not n.name.startswith("primals")
+    }
+    peak, at = code_peak(backward_code(plan.backward), resident, saved)
+    return CodePeak(plan.prediction.peak_bytes, peak, at)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--recompute-budget", type=float)
+    args = parser.parse_args(argv)
+    result = measure(args.layers, args.recompute_budget)
+    print(
+        f"W1, {args.layers} layers, recompute_budget {args.recompute_budget}: predicted peak "
+        f"{format_bytes(result.predicted_bytes)}, Inductor's CPU backward code "
+        f"{format_bytes(result.code_bytes)} (at `{result.at_line[:90]}`)"
+    )
+
+
+if __name__ == "__main__":
+    main()
