@@ -86,12 +86,13 @@ def breakdown_from_trace(
     entries: Sequence[Mapping[str, Any]], before_bytes: int, torch_dir: str = TORCH_DIR
 ) -> PeakBreakdown:
     """Replay alloc and free events; what was live when the total was highest."""
-    totals = _totals(entries)
+    _, totals = _replay(entries)
     index = max(range(len(totals)), key=totals.__getitem__, default=-1)
     peak = totals[index] if index >= 0 else 0
+    live, _ = _replay(entries[: index + 1])
     sizes: dict[str, list[int]] = {}
     code: dict[str, str] = {}
-    for entry in _live_after(entries[: index + 1]):
+    for entry in live.values():
         where = allocation_site(entry["frames"], torch_dir)
         sizes.setdefault(where, []).append(entry["size"])
         code.setdefault(where, _source_line(entry["frames"], torch_dir))
@@ -104,29 +105,21 @@ def breakdown_from_trace(
     )
 
 
-def _totals(entries: Sequence[Mapping[str, Any]]) -> list[int]:
-    """Bytes the step holds after each event."""
-    live: set[int] = set()
+def _replay(
+    entries: Sequence[Mapping[str, Any]],
+) -> tuple[dict[int, Mapping[str, Any]], list[int]]:
+    """The blocks the step holds after the last event, and its bytes after each event
+    (frees of blocks from before the step count for neither)."""
+    live: dict[int, Mapping[str, Any]] = {}
     total, totals = 0, []
     for entry in entries:
         if entry["action"] == "alloc":
-            live.add(entry["addr"])
+            live[entry["addr"]] = entry
             total += entry["size"]
-        elif entry["action"] == FREE and entry["addr"] in live:
-            live.discard(entry["addr"])
+        elif entry["action"] == FREE and live.pop(entry["addr"], None) is not None:
             total -= entry["size"]
         totals.append(total)
-    return totals
-
-
-def _live_after(entries: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    live: dict[int, Mapping[str, Any]] = {}
-    for entry in entries:
-        if entry["action"] == "alloc":
-            live[entry["addr"]] = entry
-        elif entry["action"] == FREE:
-            live.pop(entry["addr"], None)
-    return list(live.values())
+    return live, totals
 
 
 def peak_breakdown(step: Callable[[], None], device: int | None = None) -> PeakBreakdown:
