@@ -47,6 +47,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     mode.add_argument("--fraction", type=float)
     mode.add_argument("--memory-budget", type=float, help="share of the peak without offloading")
     plan.add_argument("--stall-tolerance", type=float, default=0.02)
+    plan.add_argument(
+        "--recompute-budget", type=float, help="torch's activation_memory_budget, in (0, 1]"
+    )
     plan.add_argument("--profile", help="h200, h100, a100, cpu, calibrate (default: by device)")
     plan.add_argument("--min-bytes", type=int, default=256 * 1024)
     plan.add_argument("--graphs", action="store_true", help="print the rewritten graphs too")
@@ -64,6 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         fraction=args.fraction,
         memory_budget=args.memory_budget,
         stall_tolerance=args.stall_tolerance,
+        recompute_budget=args.recompute_budget,
         profile=args.profile,
         min_bytes=args.min_bytes,
         dump_dir=args.dump,

@@ -3,8 +3,9 @@
 A node's duration is the larger of its FLOPs over the device's matrix rate and the bytes
 it reads and writes over the memory bandwidth. Pointwise ops and reductions fuse into
 their neighbours, as Inductor fuses them: a value that only fusible ops read is never
-written to memory, and costs neither bytes nor memory. Memory is tracked per storage:
-allocated where it is produced, freed after its last use in forward or backward; the
+written to memory, and costs neither bytes nor memory; each kernel that reads it computes
+it again, so what it is computed from is read there. Memory is tracked per storage:
+allocated where it is produced, freed after its last read in forward or backward; the
 chunk's inputs (parameters, the batch) are resident throughout and backward's outputs
 (gradients) are kept to the end. Positions run over forward's nodes, then backward's.
 """
@@ -108,19 +109,30 @@ def _memory_events(
             root = storage_root(saved[root.name]) if root.name in saved else root
         return None if root.op == "placeholder" and position[root] < len(forward) else root
 
+    fused_inputs: dict[torch.fx.Node, frozenset[torch.fx.Node]] = {}
+
+    def read(arg: torch.fx.Node) -> frozenset[torch.fx.Node]:
+        """The storages a kernel reading ``arg`` reads: a fused value is computed again in
+        each kernel that reads it, from the storages it is computed from."""
+        root = storage_root(arg)
+        if root in fused_inputs:
+            return fused_inputs[root]
+        used = storage(arg)
+        return frozenset() if used is None else frozenset((used,))
+
     start: dict[torch.fx.Node, int] = {}
     last_use: dict[torch.fx.Node, int] = {}
     for node in itertools.chain(forward, backward):
         root = storage(node)
         if root is not None and root is node and materializes(node):
             start[node] = position[node]
+        elif node.op == "call_function" and not is_view(node):
+            fused_inputs[node] = frozenset().union(*map(read, node.all_input_nodes))
         for arg in node.all_input_nodes:
-            used = storage(arg)
-            if used is None:
-                continue
             kept = node.op == "output" and (node is backward[-1] or arg in user_outputs)
             if node.op != "output" or kept:
-                last_use[used] = max(last_use.get(used, 0), end if kept else position[node])
+                for used in read(arg):
+                    last_use[used] = max(last_use.get(used, 0), end if kept else position[node])
 
     allocated = [0] * len(position)
     freed = [0] * len(position)

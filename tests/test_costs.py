@@ -25,13 +25,17 @@ def _backward(y, tangent):
     return (y * tangent,)
 
 
-def _chunk() -> ChunkGraphs:
+def _chunk(forward_fn=_forward, backward_fn=_backward, num_saved=1) -> ChunkGraphs:
+    """Forward on x (6×4) and w (4×8); backward reads forward's last ``num_saved``
+    outputs, then a scalar tangent."""
     x, w = torch.randn(6, 4), torch.randn(4, 8)
-    forward = make_fx(_forward, tracing_mode="fake")(x, w)
-    backward = make_fx(_backward, tracing_mode="fake")(torch.mm(x, w), torch.tensor(1.0))
-    saved = forward.graph.output_node().args[0][1]
-    y_input = backward.graph.find_nodes(op="placeholder")[0]
-    y_input.name = y_input.target = saved.name
+    forward = make_fx(forward_fn, tracing_mode="fake")(x, w)
+    saved = forward.graph.output_node().args[0][-num_saved:]
+    saved_values = [torch.mm(x, w) for _ in range(num_saved)]
+    backward = make_fx(backward_fn, tracing_mode="fake")(*saved_values, torch.tensor(1.0))
+    placeholders = backward.graph.find_nodes(op="placeholder")[:num_saved]
+    for node, placeholder in zip(saved, placeholders, strict=True):
+        placeholder.name = placeholder.target = node.name
     backward.recompile()
     return ChunkGraphs(forward, backward, num_forward_outputs=1)
 
@@ -90,3 +94,26 @@ def test_built_in_profiles_are_positive_and_cpu_copies_do_not_overlap():
 def test_matrix_rate_depends_on_dtype():
     h200 = BUILT_IN["h200"]
     assert h200.matrix_rate(torch.bfloat16) > h200.matrix_rate(torch.float32)
+
+
+def _forward_two_products(x, w):
+    a, b = torch.mm(x, w), torch.mm(x, 2 * w)
+    return a.sum() + b.sum(), a, b
+
+
+def _backward_summing_late(a, b, tangent):
+    total = a + b  # fuses into the sum below, after a matrix product
+    scale = torch.bmm(tangent.view(1, 1, 1), tangent.view(1, 1, 1))
+    return (torch.bmm(total.sum().view(1, 1, 1), scale),)
+
+
+def test_a_fused_value_keeps_what_it_is_computed_from_until_its_reader():
+    # backward: mm, mm_1, tangent, add, view, view, bmm, sum, view, bmm, output
+    chunk = _chunk(_forward_two_products, _backward_summing_late, num_saved=2)
+    costs = estimate_costs(chunk, PROFILE)
+    add = _node(chunk.backward.graph, torch.ops.aten.add.Tensor)
+    total_sum = _node(chunk.backward.graph, torch.ops.aten.sum.default)
+    backward = list(chunk.backward.graph.nodes)
+    assert not materializes(add)
+    assert costs.freed[costs.num_forward + backward.index(add)] == 0
+    assert costs.freed[costs.num_forward + backward.index(total_sum)] == 2 * 6 * 8 * 4

@@ -91,6 +91,16 @@ def test_cli_prints_the_report_for_an_example_model(capsys):
     assert "decision" in out and "model: 1 chunks" in out
 
 
+def test_cli_passes_the_recompute_budget_on(capsys):
+    factory = ["explain", "examples/inspect_plan.py:gpt", "--profile", "h200", "--fraction", "0"]
+    cli.main(factory)
+    stock = capsys.readouterr().out
+    cli.main([*factory, "--recompute-budget", "0.5"])
+    assert capsys.readouterr().out != stock
+    with pytest.raises(ValueError, match="recompute_budget"):
+        cli.main([*factory, "--recompute-budget", "1.5"])
+
+
 def test_cli_rejects_a_malformed_factory():
     with pytest.raises(SystemExit, match="module:function"):
         cli.main(["explain", "examples/inspect_plan.py"])
