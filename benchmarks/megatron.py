@@ -95,7 +95,10 @@ def _decoder(like: Decoder, device: torch.device, offload: Sequence[str]) -> nn.
     )
     spec = get_gpt_layer_local_spec()
     spec.submodules.self_attention.submodules.core_attention = ScaledDotProductAttention
-    block = TransformerBlock(config, spec, post_layer_norm=False).to(device)
+    # The whole block in the workload's dtype, as Megatron's Float16Module casts it: its
+    # torch LayerNorm fallback makes float32 weights, which CUDA's layer_norm refuses
+    # beside bf16 activations.
+    block = TransformerBlock(config, spec, post_layer_norm=False).to(device, dtype)
     for parameter in block.parameters():
         parameter.offloading_activation = False  # parameters are not activations
     return block

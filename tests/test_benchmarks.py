@@ -47,6 +47,8 @@ def test_op_overhead_times_each_transfer_op():
 
 
 def test_megatron_decoder_has_the_workload_shape_and_trains():
+    import dataclasses
+
     import pytest
     import torch
 
@@ -54,7 +56,7 @@ def test_megatron_decoder_has_the_workload_shape_and_trains():
     from benchmarks import workloads
     from benchmarks.megatron import megatron_forward
 
-    w = workloads.TINY
+    w = dataclasses.replace(workloads.TINY, dtype=torch.bfloat16)
     model, x = workloads.build(w, "cpu")
     count = sum(p.numel() for p in model.parameters())
     loss_of_batch = megatron_forward(model, offload=())
@@ -64,6 +66,7 @@ def test_megatron_decoder_has_the_workload_shape_and_trains():
     qkv_biases = w.layers * 3 * w.dim
     assert sum(p.numel() for p in parameters) == count + qkv_biases
     assert torch.isfinite(loss) and all(p.grad is not None for p in parameters)
+    assert {p.dtype for p in parameters} == {torch.bfloat16}  # CUDA's layer_norm wants one
     assert all(p.device.type == "meta" for p in model.parameters())
 
 
