@@ -8,7 +8,8 @@ Selection, per chunk:
   needed first, while the host-to-device queue brings each back before its first use,
   or late by no more than ``stall_tolerance`` of the step in all;
 - ``memory_budget`` moves the fewest candidates, those ``auto`` would move first, that
-  bring the predicted peak under the budget.
+  bring the predicted peak under the budget, at the overlap depth (below) whose plan is
+  predicted fastest.
 
 Placement: each offload right after its producer; its wait at the first node by which the
 copy is predicted complete (and not before the last forward use); reloads as late as they
@@ -16,7 +17,9 @@ can start and still finish before first use, in first-use order. Where more is m
 the copy queues can carry in time (a share or a budget asks for it), a copy that would end
 after forward is waited for ``OVERLAP_DEPTH`` copies later, and a reload that would start
 before backward is issued ``OVERLAP_DEPTH`` reloads before its need: compute then waits
-for the queue either way, but holds only a few copies in flight, not all.
+for the queue either way, but holds only a few copies in flight, not all. A budget tries
+each depth of ``BUDGET_DEPTHS``: fewer copies in flight lower the peak, so fewer need to
+move, while more let compute run further ahead of the queue.
 
 Selection prices copies as predicted; placement prices them slower (``OFFLOAD_MARGIN``,
 ``RELOAD_MARGIN``), so that a wait or a reload placed by a slightly optimistic prediction
@@ -41,6 +44,7 @@ from offload_pass.simulate import Prediction, Transfer, peak_bytes, simulate
 OFFLOAD_MARGIN = 1.05
 RELOAD_MARGIN = 1.25
 OVERLAP_DEPTH = 3
+BUDGET_DEPTHS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24)
 
 MOVED = "moved"
 TOO_SMALL = "too small"
@@ -94,7 +98,7 @@ class Request:
 class ChunkPlan:
     """The decisions, their placed transfers and the predicted step. ``overlap_depth``:
     how many copies ahead of compute the queues may run where they cannot keep up
-    (lower than ``OVERLAP_DEPTH`` only when a memory budget needs it)."""
+    (``OVERLAP_DEPTH`` but under a memory budget)."""
 
     decisions: tuple[Decision, ...]
     transfers: tuple[Transfer, ...]
@@ -305,26 +309,30 @@ def _within_budget(
     budget: int,
     in_flight: int,
 ) -> tuple[set[str], int]:
-    """The shortest prefix of ``ranked`` that, with ``forced``, meets the budget, and the
-    overlap depth to place it with: ``OVERLAP_DEPTH`` if moving all of ``ranked`` meets
-    the budget there, else the deepest that does, down to 0 (each reload issued at its
-    need). If none does: all of ``ranked``, at the depth of the lowest peak."""
+    """The prefix of ``ranked`` that, with ``forced``, meets the budget in the step
+    predicted fastest, and the overlap depth to place it with: per depth of
+    ``BUDGET_DEPTHS``, the shortest prefix that meets it there. If none does: all of
+    ``ranked``, at the depth of the lowest peak."""
+
+    def transfers(count: int, depth: int) -> list[Transfer]:
+        return place([*forced, *ranked[:count]], costs, clocks, depth)
 
     def peak(count: int, depth: int) -> int:
-        transfers = place([*forced, *ranked[:count]], costs, clocks, depth)
-        return peak_bytes(costs, transfers, in_flight)
+        return peak_bytes(costs, transfers(count, depth), in_flight)
 
-    peaks = {d: peak(len(ranked), d) for d in range(OVERLAP_DEPTH, -1, -1)}
+    peaks = {d: peak(len(ranked), d) for d in BUDGET_DEPTHS}
     meeting = [d for d, p in peaks.items() if p <= budget]
-    depth = max(meeting) if meeting else min(peaks, key=lambda d: (peaks[d], -d))
-    low, high = 0, len(ranked)
-    while low < high:
-        middle = (low + high) // 2
-        if peak(middle, depth) <= budget:
-            high = middle
-        else:
-            low = middle + 1
-    return {g.root for g in ranked[:low]}, depth
+    if not meeting:
+        depth = min(peaks, key=lambda d: (peaks[d], -d))
+        return {g.root for g in ranked}, depth
+    plans = []
+    for depth in meeting:
+        counts = range(len(ranked) + 1)
+        count = bisect.bisect_left(counts, True, key=lambda c: peak(c, depth) <= budget)
+        seconds = simulate(costs, transfers(count, depth), in_flight).step_seconds
+        plans.append((seconds, count, depth))
+    _, count, depth = min(plans)
+    return {g.root for g in ranked[:count]}, depth
 
 
 def _budget_bytes(request: Request, costs: ChunkCosts) -> int | None:

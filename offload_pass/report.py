@@ -120,7 +120,7 @@ def summary(plan: Plan) -> str:
     if plan.planned.overlap_depth != planner.OVERLAP_DEPTH:
         lines.append(
             f"copies that cannot keep up run at most {plan.planned.overlap_depth} ahead of "
-            f"compute (default {planner.OVERLAP_DEPTH}), to lower the peak"
+            f"compute (default {planner.OVERLAP_DEPTH}): the fastest plan under the budget"
         )
     return "\n".join(lines)
 

@@ -176,13 +176,21 @@ def test_a_budget_that_cannot_be_met_moves_everything_and_says_by_how_much():
 
 
 def test_a_budget_out_of_reach_is_met_with_fewer_copies_in_flight():
-    # Moving all of NINE, reloads issued OVERLAP_DEPTH (3) needs ahead, peaks at 12 MB;
-    # two ahead, at 10 MB. An 11 MB budget takes the deeper of the depths that meet it.
+    # Moving all of NINE, copies OVERLAP_DEPTH (3) ahead of compute, peaks at 12 MB.
     assert plan(NINE, share=1.0).prediction.peak_bytes == 12 * MB
     result = plan(NINE, budget=11 * MB)
-    assert result.overlap_depth == 2
+    assert result.overlap_depth < OVERLAP_DEPTH
     assert result.prediction.peak_bytes <= 11 * MB
     assert result.budget_shortfall == 0
+
+
+def test_a_budget_takes_the_depth_whose_plan_is_fastest():
+    # 13 MB: three copies ahead it takes a0..a5 (26 ms), two ahead a0..a4 (23 ms), one
+    # ahead a0..a4 (25 ms). Compute waiting for the queue earlier lets fewer moves do.
+    result = plan(NINE, budget=13 * MB)
+    assert (result.overlap_depth, moved(result)) == (2, ["a0", "a1", "a2", "a3", "a4"])
+    assert result.prediction.step_seconds == pytest.approx(23 * MS)
+    assert result.prediction.peak_bytes <= 13 * MB
 
 
 def test_placement_keeps_the_contract():
