@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on a CUDA machine from the repository root: the CUDA tests, the side-by-side
-# benchmark on W1 and W2 (about 20 minutes), the main example, and what is alive at the
+# benchmark on W1 and W2 (19 minutes in run 13), the main example, and what is alive at the
 # measured peak of the W1 configurations whose predicted peak is furthest off.
 # Logs and results go to $OUT (or ./out).
 set -o pipefail
