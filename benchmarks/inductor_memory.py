@@ -1,12 +1,13 @@
 """The backward graph's memory as Inductor's generated CPU code allocates it, beside the
 cost model's predicted peak: a CPU check of what the cost model assumes Inductor fuses.
 
-    python -m benchmarks.inductor_memory --layers 8 --recompute-budget 0.7
+    python -m benchmarks.inductor_memory --workload W1 --recompute-budget 0.7
 
-The workload is W1 with ``--layers`` blocks, planned on the CPU with the H200 profile and
-nothing moved. Backward's wrapper code is generated (its kernels compiled, not run) and
-read in order: parameters and the batch are resident, saved tensors are freed where the
-code deletes their last alias, buffers are allocated and freed where the code says.
+The workload (W1 unless ``--workload`` names another; ``--layers`` blocks if given) is
+planned on the CPU with the H200 profile and nothing moved. Backward's wrapper code is
+generated (its kernels compiled, not run) and read in order: parameters and the batch are
+resident, saved tensors are freed where the code deletes their last alias, buffers are
+allocated and freed where the code says.
 Inductor's CPU code fuses a little differently from its GPU code, so this is a lead.
 """
 
@@ -82,8 +83,7 @@ def code_peak(code: str, resident: int, saved: dict[str, torch.Tensor]) -> tuple
     return peak, at
 
 
-def measure(layers: int, recompute_budget: float | None) -> CodePeak:
-    workload = dataclasses.replace(workloads.W1, layers=layers)
+def measure(workload: workloads.Workload, recompute_budget: float | None) -> CodePeak:
     model, x = workloads.build(workload, "cpu")
     report = offload_pass.explain(
         workloads.WithLoss(model),
@@ -106,12 +106,16 @@ def measure(layers: int, recompute_budget: float | None) -> CodePeak:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--workload", choices=sorted(workloads.BY_NAME), default="W1")
+    parser.add_argument("--layers", type=int, help="blocks (default: the workload's)")
     parser.add_argument("--recompute-budget", type=float)
     args = parser.parse_args(argv)
-    result = measure(args.layers, args.recompute_budget)
+    workload = workloads.BY_NAME[args.workload]
+    workload = dataclasses.replace(workload, layers=args.layers or workload.layers)
+    result = measure(workload, args.recompute_budget)
     print(
-        f"W1, {args.layers} layers, recompute_budget {args.recompute_budget}: predicted peak "
+        f"{workload.name}, {workload.layers} layers, recompute_budget {args.recompute_budget}: "
+        "predicted peak "
         f"{format_bytes(result.predicted_bytes)}, Inductor's CPU backward code "
         f"{format_bytes(result.code_bytes)} (at `{result.at_line[:90]}`)"
     )
