@@ -120,7 +120,7 @@ def summary(plan: Plan) -> str:
     if plan.planned.overlap_depth != planner.OVERLAP_DEPTH:
         lines.append(
             f"copies that cannot keep up run at most {plan.planned.overlap_depth} ahead of "
-            f"compute (default {planner.OVERLAP_DEPTH}): the fastest plan under the budget"
+            f"compute (default {planner.OVERLAP_DEPTH}), the depth the memory budget's plan took"
         )
     return "\n".join(lines)
 
