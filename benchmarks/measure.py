@@ -138,7 +138,8 @@ def measure(
         first_step_s=first_step,
         peak_bytes=None if timed[0].peak_bytes is None else max(r.peak_bytes for r in timed),
         held_bytes=None if timed[0].held_bytes is None else max(r.held_bytes for r in timed),
-        bytes_moved=timed[-1].bytes_moved,
+        # offload_pass counts what it moves; what a peer moves is not measured here
+        bytes_moved=timed[-1].bytes_moved if config.family == "offload_pass" else None,
         pinned_allocations_after_warmup=None if after is None or pinned is None else after - pinned,
         **_predictions(shared),
     )

@@ -29,6 +29,8 @@ def test_harness_runs_on_a_tiny_model_and_writes_its_results(tmp_path):
     assert rows["compiled"]["status"] == "ok" and rows["compiled"]["step_ratio"] == 1.0
     assert rows["offload_pass fraction 0.5"]["status"] == "ok"
     assert rows["offload_pass fraction 0.5"]["predicted_step_ms"] > 0
+    assert rows["offload_pass fraction 0.5"]["bytes_moved"] is not None  # counted for ours
+    assert rows["checkpoint blocks"]["bytes_moved"] is None  # not measured for peers
     assert rows["save_on_cpu"]["status"] == "needs a CUDA device"
     (written,) = tmp_path.glob("*.json")
     assert json.loads(written.read_text())["workloads"]["tiny"]["rows"]
