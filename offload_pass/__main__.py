@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from offload_pass.explain import explain
+from offload_pass.options import OffloadOptions
 from offload_pass.report import format_graphs
 
 
@@ -57,21 +58,30 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def backend_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The backend options the arguments give, checked before any model code runs."""
+    options = {
+        "fraction": args.fraction,
+        "memory_budget": args.memory_budget,
+        "stall_tolerance": args.stall_tolerance,
+        "recompute_budget": args.recompute_budget,
+        "profile": args.profile,
+        "min_bytes": args.min_bytes,
+        "dump_dir": args.dump,
+    }
+    try:
+        OffloadOptions.create(**options)
+    except (TypeError, ValueError) as error:
+        raise SystemExit(f"python -m offload_pass {args.command}: {error}") from error
+    return options
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    options = backend_options(args)
     model, inputs = load_factory(args.factory)()
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-    report = explain(
-        model,
-        *inputs,
-        fraction=args.fraction,
-        memory_budget=args.memory_budget,
-        stall_tolerance=args.stall_tolerance,
-        recompute_budget=args.recompute_budget,
-        profile=args.profile,
-        min_bytes=args.min_bytes,
-        dump_dir=args.dump,
-    )
+    report = explain(model, *inputs, **options)
     print(report)
     if args.graphs:
         for plan in report.plans:

@@ -97,8 +97,13 @@ def test_cli_passes_the_recompute_budget_on(capsys):
     stock = capsys.readouterr().out
     cli.main([*factory, "--recompute-budget", "0.5"])
     assert capsys.readouterr().out != stock
-    with pytest.raises(ValueError, match="recompute_budget"):
+    with pytest.raises(SystemExit, match="explain: recompute_budget must be in"):
         cli.main([*factory, "--recompute-budget", "1.5"])
+
+
+def test_cli_rejects_a_bad_option_before_building_the_model():
+    with pytest.raises(SystemExit, match="explain: .*fraction"):
+        cli.main(["explain", "no_such_module:factory", "--fraction", "1.5"])
 
 
 def test_cli_rejects_a_malformed_factory():
