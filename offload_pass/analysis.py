@@ -186,7 +186,7 @@ def _op_name(node: torch.fx.Node) -> str:
     return str(node.target)
 
 
-def _kernels_reading(
+def kernels_reading(
     node: torch.fx.Node, known: dict[torch.fx.Node, frozenset[torch.fx.Node]]
 ) -> frozenset[torch.fx.Node]:
     """Where a node's work really happens: the node itself if its result is written to
@@ -196,7 +196,7 @@ def _kernels_reading(
         if materializes(node) or node.op == "output":
             known[node] = frozenset((node,))
         else:
-            known[node] = frozenset(k for c in _consumers(node) for k in _kernels_reading(c, known))
+            known[node] = frozenset(k for c in _consumers(node) for k in kernels_reading(c, known))
     return known[node]
 
 
@@ -210,7 +210,7 @@ def _forward_readers(
         for a in aliases(root)
         for u in a.users
         if u.op != "output"
-        for k in _kernels_reading(u, known)
+        for k in kernels_reading(u, known)
     }
     return sorted((r for r in readers if r.op != "output"), key=index.__getitem__)
 

@@ -20,7 +20,13 @@ import torch
 import torch.fx
 
 from offload_pass import _compat
-from offload_pass.analysis import ChunkGraphs, is_view, materializes, storage_root
+from offload_pass.analysis import (
+    ChunkGraphs,
+    is_view,
+    kernels_reading,
+    materializes,
+    storage_root,
+)
 from offload_pass.profiles import DeviceProfile
 
 
@@ -109,16 +115,11 @@ def _memory_events(
             root = storage_root(saved[root.name]) if root.name in saved else root
         return None if root.op == "placeholder" and position[root] < len(forward) else root
 
-    fused_inputs: dict[torch.fx.Node, frozenset[torch.fx.Node]] = {}
+    kernels: dict[torch.fx.Node, frozenset[torch.fx.Node]] = {}
 
-    def read(arg: torch.fx.Node) -> frozenset[torch.fx.Node]:
-        """The storages a kernel reading ``arg`` reads: a fused value is computed again in
-        each kernel that reads it, from the storages it is computed from."""
-        root = storage_root(arg)
-        if root in fused_inputs:
-            return fused_inputs[root]
-        used = storage(arg)
-        return frozenset() if used is None else frozenset((used,))
+    def read_at(node: torch.fx.Node) -> int:
+        """Where ``node`` reads its inputs: a fused node in each kernel it feeds."""
+        return max((position[k] for k in kernels_reading(node, kernels)), default=position[node])
 
     start: dict[torch.fx.Node, int] = {}
     last_use: dict[torch.fx.Node, int] = {}
@@ -126,13 +127,13 @@ def _memory_events(
         root = storage(node)
         if root is not None and root is node and materializes(node):
             start[node] = position[node]
-        elif node.op == "call_function" and not is_view(node):
-            fused_inputs[node] = frozenset().union(*map(read, node.all_input_nodes))
         for arg in node.all_input_nodes:
+            used = storage(arg)
+            if used is None:
+                continue
             kept = node.op == "output" and (node is backward[-1] or arg in user_outputs)
             if node.op != "output" or kept:
-                for used in read(arg):
-                    last_use[used] = max(last_use.get(used, 0), end if kept else position[node])
+                last_use[used] = max(last_use.get(used, 0), end if kept else read_at(node))
 
     allocated = [0] * len(position)
     freed = [0] * len(position)
