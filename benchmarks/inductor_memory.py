@@ -2,12 +2,14 @@
 cost model's predicted peak: a CPU check of what the cost model assumes Inductor fuses.
 
     python -m benchmarks.inductor_memory --workload W1 --recompute-budget 0.7
+    python -m benchmarks.inductor_memory --workload W2 --fraction auto
 
 The workload (W1 unless ``--workload`` names another; ``--layers`` blocks if given) is
-planned on the CPU with the H200 profile and nothing moved. Backward's wrapper code is
-generated (its kernels compiled, not run) and read in order: parameters and the batch are
-resident, saved tensors are freed where the code deletes their last alias, buffers are
-allocated and freed where the code says.
+planned on the CPU with the H200 profile, moving nothing unless ``--fraction`` says so.
+Backward's wrapper code is generated as the backend compiles it (its kernels compiled,
+not run) and read in order: parameters and the batch are resident, saved tensors are
+freed where the code deletes their last alias, buffers and reloads are allocated and
+freed where the code says; host buffers do not count.
 Inductor's CPU code fuses a little differently from its GPU code, so this is a lead.
 """
 
@@ -16,20 +18,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.fx
 from torch._guards import detect_fake_mode
-from torch._inductor.compile_fx import compile_fx_inner
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import offload_pass
 from benchmarks import workloads
+from offload_pass import _compat, ops
 from offload_pass.report import format_bytes
 
 _ALLOCATION = re.compile(r"\s*(buf\d+) = empty_strided_cpu\(\(([^)]*)\), \([^)]*\), torch\.(\w+)\)")
 _REUSE = re.compile(r"\s*(buf\d+) = (?:reinterpret_tensor\()?(buf\d+)\b.*; del \2\s+# reuse")
+_RELOAD = re.compile(r"\s*(buf\d+) = torch\.ops\.offload_pass\.reload\.default\((\w+),")
+_ALIAS = re.compile(r"\s*(buf\d+) = (buf\d+)$")
 _DELETE = re.compile(r"\bdel (\w+)")
 
 
@@ -43,12 +47,16 @@ class CodePeak:
 def backward_code(gm: torch.fx.GraphModule) -> str:
     inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
     with detect_fake_mode(inputs):
-        return compile_fx_inner(gm, inputs, is_backward=True).source_code
+        compile_graph = _compat.inductor_graph_compiler(ops.holds_transfers)
+        return compile_graph(gm, inputs, is_backward=True).source_code
 
 
-def code_peak(code: str, resident: int, saved: dict[str, torch.Tensor]) -> tuple[int, str]:
+def code_peak(
+    code: str, resident: int, saved: dict[str, torch.Tensor], host: Mapping[str, int]
+) -> tuple[int, str]:
     """The most the code holds at once: ``resident`` bytes, the ``saved`` inputs until the
-    code deletes every alias of each storage, and its own buffers."""
+    code deletes every alias of each storage, its own buffers, and what it reloads from
+    the ``host`` inputs (their bytes by name)."""
     owner: dict[str, StorageWeakRef] = {}
     names: dict[StorageWeakRef, set[str]] = {}
     live: dict[object, int] = {}
@@ -60,9 +68,12 @@ def code_peak(code: str, resident: int, saved: dict[str, torch.Tensor]) -> tuple
     total = peak = resident + sum(live.values())
     at = "start"
     for line in code.splitlines():
-        if reuse := _REUSE.match(line):
+        if reuse := _REUSE.match(line) or _ALIAS.match(line):
             live[reuse.group(1)] = live.pop(reuse.group(2), 0)
             continue
+        if reload := _RELOAD.match(line):
+            live[reload.group(1)] = host[reload.group(2)]
+            total += live[reload.group(1)]
         if allocation := _ALLOCATION.match(line):
             numel = 1
             for size in filter(str.strip, allocation.group(2).split(",")):
@@ -83,24 +94,29 @@ def code_peak(code: str, resident: int, saved: dict[str, torch.Tensor]) -> tuple
     return peak, at
 
 
-def measure(workload: workloads.Workload, recompute_budget: float | None) -> CodePeak:
+def measure(
+    workload: workloads.Workload, recompute_budget: float | None, fraction: float | None
+) -> CodePeak:
     model, x = workloads.build(workload, "cpu")
     report = offload_pass.explain(
         workloads.WithLoss(model),
         x,
         profile="h200",
-        fraction=0.0,
+        fraction=fraction,
         recompute_budget=recompute_budget,
     )
     (plan,) = report.plans
     resident = sum(p.numel() * p.element_size() for p in model.parameters())
     resident += x.numel() * x.element_size()
-    saved = {
-        n.name: n.meta["val"]
-        for n in plan.backward.graph.nodes
-        if n.op == "placeholder" and not n.name.startswith("primals")
-    }
-    peak, at = code_peak(backward_code(plan.backward), resident, saved)
+    inputs = [
+        n
+        for n in plan.backward.graph.find_nodes(op="placeholder")
+        if not n.name.startswith("primals")
+    ]
+    reloaded = {n for n in inputs if any(u.target is ops.RELOAD for u in n.users)}
+    saved = {n.name: n.meta["val"] for n in inputs if n not in reloaded}
+    host = {n.name: n.meta["val"].untyped_storage().nbytes() for n in reloaded}
+    peak, at = code_peak(backward_code(plan.backward), resident, saved, host)
     return CodePeak(plan.prediction.peak_bytes, peak, at)
 
 
@@ -109,12 +125,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--workload", choices=sorted(workloads.BY_NAME), default="W1")
     parser.add_argument("--layers", type=int, help="blocks (default: the workload's)")
     parser.add_argument("--recompute-budget", type=float)
+    parser.add_argument(
+        "--fraction", default="0", help="share of each module's candidates to move, or auto"
+    )
     args = parser.parse_args(argv)
+    fraction = None if args.fraction == "auto" else float(args.fraction)
     workload = workloads.BY_NAME[args.workload]
     workload = dataclasses.replace(workload, layers=args.layers or workload.layers)
-    result = measure(workload, args.recompute_budget)
+    result = measure(workload, args.recompute_budget, fraction)
     print(
-        f"{workload.name}, {workload.layers} layers, recompute_budget {args.recompute_budget}: "
+        f"{workload.name}, {workload.layers} layers, fraction {args.fraction}, "
+        f"recompute_budget {args.recompute_budget}: "
         "predicted peak "
         f"{format_bytes(result.predicted_bytes)}, Inductor's CPU backward code "
         f"{format_bytes(result.code_bytes)} (at `{result.at_line[:90]}`)"

@@ -1,6 +1,6 @@
-"""How long planning takes as graphs grow: analysis, cost model and planner on the
-partitioned graphs of decoder stacks of increasing depth (traced on the CPU, planned
-with the H200 profile).
+"""How long planning takes as graphs grow: ordering backward, then analysis, cost model
+and planner, on the partitioned graphs of decoder stacks of increasing depth (traced on
+the CPU, planned with the H200 profile).
 
     python -m benchmarks.planning_time [--layers 8 32 128]
 """
@@ -21,6 +21,7 @@ from offload_pass import _compat
 from offload_pass.analysis import ChunkGraphs, find_saved_groups
 from offload_pass.costs import estimate_costs
 from offload_pass.options import FractionRule, OffloadOptions
+from offload_pass.order import free_memory_early, resident_inputs
 from offload_pass.planner import Request, plan_offloads
 from offload_pass.profiles import BUILT_IN
 
@@ -42,6 +43,12 @@ def partitioned_chunk(layers: int) -> ChunkGraphs:
     torch.compiler.reset()
     (chunk,) = chunks
     return chunk
+
+
+def order_seconds(chunk: ChunkGraphs) -> float:
+    start = time.perf_counter()
+    free_memory_early(chunk.backward, resident_inputs(chunk))
+    return time.perf_counter() - start
 
 
 def plan_seconds(chunk: ChunkGraphs, options: OffloadOptions) -> float:
@@ -75,12 +82,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     for layers in args.layers:
         chunk = partitioned_chunk(layers)
         nodes = len(chunk.forward.graph.nodes) + len(chunk.backward.graph.nodes)
-        row = [layers, nodes, len(find_saved_groups(chunk))]
+        row = [layers, nodes, len(find_saved_groups(chunk)), f"{order_seconds(chunk):.3f}"]
         for options in MODES.values():
             times = [plan_seconds(chunk, options) for _ in range(args.repeats)]
             row.append(f"{statistics.median(times):.3f}")
         rows.append(row)
-        print(tabulate.tabulate(rows, headers=["layers", "nodes", "saved", *MODES]), flush=True)
+        print(
+            tabulate.tabulate(rows, headers=["layers", "nodes", "saved", "order", *MODES]),
+            flush=True,
+        )
         print()
 
 

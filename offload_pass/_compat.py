@@ -70,12 +70,14 @@ def compile_with_inductor(
         return compile_fx(
             gm,
             example_inputs,
-            inner_compile=_compile_graph(holds_transfers),
+            inner_compile=inductor_graph_compiler(holds_transfers),
             config_patches=patches,
         )
 
 
-def _compile_graph(holds_transfers: Callable[[torch.fx.GraphModule], bool]) -> Callable[..., Any]:
+def inductor_graph_compiler(
+    holds_transfers: Callable[[torch.fx.GraphModule], bool],
+) -> Callable[..., Any]:
     """Inductor's per-graph compile, with peak-memory reordering off in graphs that hold
     transfers: it would sink each reload to its first use, where its copy cannot overlap
     anything, and the plan has already ordered those graphs for memory."""

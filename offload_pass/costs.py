@@ -70,13 +70,13 @@ def node_seconds(node: torch.fx.Node, profile: DeviceProfile) -> float:
     read = (arg for arg in node.all_input_nodes if materializes(storage_root(arg)))
     traffic = sum(tensor_bytes(arg.meta.get("val")) for arg in read)
     if materializes(node):
-        traffic += sum(tensor_bytes(v) for v in _values(value))
+        traffic += sum(tensor_bytes(v) for v in tensor_values(value))
     flops = _compat.flop_count(node)
-    dtype = next((v.dtype for v in _values(value)), torch.float32)
+    dtype = next((v.dtype for v in tensor_values(value)), torch.float32)
     return max(flops / profile.matrix_rate(dtype), traffic / profile.memory_bandwidth)
 
 
-def _values(value: object) -> list[torch.Tensor]:
+def tensor_values(value: object) -> list[torch.Tensor]:
     values = value if isinstance(value, (tuple, list)) else (value,)
     return [v for v in values if isinstance(v, torch.Tensor)]
 

@@ -1,4 +1,5 @@
-"""The partition step: the stock min-cut partitioner, then analyse, plan and rewrite."""
+"""The partition step: the stock min-cut partitioner, then order, analyse, plan and
+rewrite."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from offload_pass import _compat, dump
 from offload_pass.analysis import ChunkGraphs, find_saved_groups
 from offload_pass.costs import estimate_costs
 from offload_pass.options import FractionRule, OffloadOptions
+from offload_pass.order import free_memory_early, resident_inputs
 from offload_pass.plan import Plan
 from offload_pass.planner import Request, placements, plan_offloads
 from offload_pass.profiles import profile_for
@@ -59,6 +61,7 @@ class OffloadPartitioner(_compat.PartitionerBase):
             joint, joint_inputs, self.options.recompute_budget, **kwargs
         )
         chunk = ChunkGraphs(forward, backward, kwargs["num_fwd_outputs"])
+        free_memory_early(backward, resident_inputs(chunk))
         plan = offload_chunk(chunk, self.options, self.name)
         dump.record(plan, dump.dump_dir(self.options.dump_dir))
         self.on_plan(plan)

@@ -89,6 +89,24 @@ def test_code_peak_follows_allocations_reuses_and_last_aliases():
             "        del buf1",  # -64
         ]
     )
-    peak, at = code_peak(code, resident=100, saved=saved)
+    peak, at = code_peak(code, resident=100, saved=saved, host={})
     assert peak == 100 + 64 + 64 + 16
+    assert at.startswith("buf2 = empty_strided_cpu")
+
+
+def test_code_peak_counts_reloads_on_the_device_and_host_buffers_nowhere():
+    from benchmarks.inductor_memory import code_peak
+
+    code = "\n".join(
+        [
+            "        buf0 = torch.ops.offload_pass.reload.default(offload_default, device(type='cpu'), [buf9])",  # noqa: E501
+            "        del offload_default",  # a host buffer: nothing on the device
+            "        buf1 = buf0",
+            "        del buf0",  # buf1 still holds the reloaded tensor
+            "        buf2 = empty_strided_cpu((4, ), (1, ), torch.float32)",  # +16
+            "        del buf1",  # -128
+        ]
+    )
+    peak, at = code_peak(code, resident=10, saved={}, host={"offload_default": 128})
+    assert peak == 10 + 128 + 16
     assert at.startswith("buf2 = empty_strided_cpu")

@@ -115,6 +115,6 @@ def test_peak_memory_reordering_is_off_only_in_graphs_with_transfers(monkeypatch
         monkeypatch, compile_fx, "compile_fx_inner", lambda: config.reorder_for_peak_memory
     )
     with config.patch(reorder_for_peak_memory=True):
-        assert _compat._compile_graph(lambda graph: True)(None, []) == "compiled"
-        assert _compat._compile_graph(lambda graph: False)(None, []) == "compiled"
+        assert _compat.inductor_graph_compiler(lambda graph: True)(None, []) == "compiled"
+        assert _compat.inductor_graph_compiler(lambda graph: False)(None, []) == "compiled"
     assert seen == [False, True]

@@ -1,0 +1,116 @@
+"""Backward runs each kernel that frees more memory than it writes as early as it can."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import offload_pass
+from offload_pass.order import free_memory_early
+from tests import models
+
+TOKENS, WIDTH = 256, 64
+
+
+def _traced(backward, *shapes: tuple[int, ...]) -> torch.fx.GraphModule:
+    return make_fx(backward, tracing_mode="fake")(*(torch.randn(s) for s in shapes))
+
+
+def _matmul_order(gm: torch.fx.GraphModule) -> list[str]:
+    """Each matrix product, named by the inputs it reads."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.aten.mm.default:
+            names = [a.name for a in node.all_input_nodes]
+            roots = [n.split("_")[0] for n in names]
+            found.append("@".join(roots))
+    return found
+
+
+def _weight_and_input_gradient(weight, saved, grad):
+    """One linear layer's backward in autograd's order: input gradient, then the weight
+    gradient, the last reader of the saved input; the bias gradient reads ``grad`` last."""
+    input_grad = grad @ weight
+    weight_grad = grad.t() @ saved
+    return input_grad, weight_grad, grad.sum(0)
+
+
+def test_a_weight_gradient_that_frees_its_saved_input_runs_first():
+    gm = _traced(
+        _weight_and_input_gradient, (WIDTH, 4 * WIDTH), (TOKENS, 4 * WIDTH), (TOKENS, WIDTH)
+    )
+    assert _matmul_order(gm) == ["grad@weight", "t@saved"]
+    free_memory_early(gm, resident=frozenset({"weight_1"}))
+    assert _matmul_order(gm) == ["t@saved", "grad@weight"]
+    args = [
+        torch.randn(WIDTH, 4 * WIDTH),
+        torch.randn(TOKENS, 4 * WIDTH),
+        torch.randn(TOKENS, WIDTH),
+    ]
+    for got, want in zip(gm(*args), _weight_and_input_gradient(*args), strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_a_kernel_keeps_its_place_when_it_writes_more_than_it_frees():
+    tokens = WIDTH // 2  # the weight gradient is larger than the saved input
+    gm = _traced(
+        _weight_and_input_gradient, (WIDTH, 4 * WIDTH), (tokens, 4 * WIDTH), (tokens, WIDTH)
+    )
+    free_memory_early(gm, resident=frozenset({"weight_1"}))
+    assert _matmul_order(gm) == ["grad@weight", "t@saved"]
+
+
+def test_a_resident_input_frees_nothing():
+    gm = _traced(
+        _weight_and_input_gradient, (WIDTH, 4 * WIDTH), (TOKENS, 4 * WIDTH), (TOKENS, WIDTH)
+    )
+    free_memory_early(gm, resident=frozenset({"weight_1", "saved_1"}))
+    assert _matmul_order(gm) == ["grad@weight", "t@saved"]
+
+
+def test_a_kernel_stays_after_the_other_kernels_reading_what_it_frees():
+    def backward(weight, saved, grad):
+        input_grad = grad @ weight
+        column_sums = (saved * saved).sum(0)  # reads saved after the input gradient
+        return input_grad, grad.t() @ saved, column_sums, grad.sum(0)
+
+    gm = _traced(backward, (WIDTH, 4 * WIDTH), (TOKENS, 4 * WIDTH), (TOKENS, WIDTH))
+    free_memory_early(gm, resident=frozenset({"weight_1"}))
+    assert _matmul_order(gm) == ["grad@weight", "t@saved"]
+
+
+def test_a_kernel_does_not_cross_a_side_effect():
+    def backward(weight, saved, grad):
+        first = grad @ weight
+        torch._assert_async(torch.tensor(True), "in order")
+        second = grad @ weight
+        return first, second, grad.t() @ saved, grad.sum(0)
+
+    gm = _traced(backward, (WIDTH, 4 * WIDTH), (TOKENS, 4 * WIDTH), (TOKENS, WIDTH))
+    free_memory_early(gm, resident=frozenset({"weight_1"}))
+    assert _matmul_order(gm) == ["grad@weight", "t@saved", "grad@weight"]
+
+
+class _MLPLoss(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = models.MLP(WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x).sum()
+
+
+@pytest.mark.parametrize("tokens", [TOKENS, WIDTH // 2])
+def test_the_backend_orders_backward_before_planning(tokens):
+    model = _MLPLoss()
+    plan = offload_pass.explain(model, torch.randn(1, tokens, WIDTH), fraction=0.0).plans[0]
+    fc2_weight = model.mlp.fc2.weight.shape
+    products = [n for n in plan.backward.graph.nodes if n.target is torch.ops.aten.mm.default]
+    weight_grads = [n for n in products if n.meta["val"].shape == fc2_weight]
+    input_grads = [n for n in products if n.meta["val"].shape == (tokens, 4 * WIDTH)]
+    (fc2_weight_grad,), (fc2_input_grad,) = weight_grads, input_grads
+    index = list(plan.backward.graph.nodes).index
+    runs_first = index(fc2_weight_grad) < index(fc2_input_grad)
+    assert runs_first == (tokens == TOKENS)
