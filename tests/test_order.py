@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.fx
+from torch._inductor.utils import run_and_get_code
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import offload_pass
@@ -114,3 +115,17 @@ def test_the_backend_orders_backward_before_planning(tokens):
     index = list(plan.backward.graph.nodes).index
     runs_first = index(fc2_weight_grad) < index(fc2_input_grad)
     assert runs_first == (tokens == TOKENS)
+
+
+def test_inductors_backward_code_runs_the_weight_gradient_first():
+    """With transfers in backward, Inductor's own reordering is off, and its code keeps
+    the graph's order: the weight gradient that reads the saved GELU output for the last
+    time comes before the input gradient, which reads the weight."""
+    torch.manual_seed(0)
+    model = torch.compile(_MLPLoss(), backend=offload_pass.backend(fraction=1.0, min_bytes=0))
+    _, (_, backward_code) = run_and_get_code(
+        lambda: model(torch.randn(1, TOKENS, WIDTH)).backward()
+    )
+    products = [line for line in backward_code.splitlines() if "extern_kernels.mm(" in line]
+    reads_a_weight = ["primals" in line for line in products]
+    assert reads_a_weight == [False, True, False]
