@@ -75,7 +75,8 @@ def backend(
         memory_budget: the predicted peak to get under, per compiled chunk: bytes (int),
             or a share in (0, 1] of the predicted peak without offloading (float).
         stall_tolerance: in ``auto`` mode, the share of the step that waiting on copies
-            may add, in [0, 1].
+            may add, in [0, 1]; a copy is waited for only where it lowers the predicted
+            peak.
         profile: the device rates to plan with: a :class:`DeviceProfile`, a built-in
             name (``"h200"``, ``"h100"``, ``"a100"``, ``"cpu"``), ``"calibrate"`` to
             measure the CUDA device once per process, or None to pick by device name.

@@ -286,6 +286,35 @@ def _hides(
     return hidden - forced_roots
 
 
+def _worth_their_stalls(
+    hidden: set[str],
+    candidates: Sequence[SavedGroup],
+    forced: Sequence[SavedGroup],
+    costs: ChunkCosts,
+    clocks: _Clocks,
+    in_flight: int,
+) -> set[str]:
+    """``hidden`` less each copy that makes compute wait without lowering the predicted
+    peak, longest wait first: such a copy costs time and saves nothing.
+
+    Under a recompute budget, the partitioner recomputes the residual stream at
+    backward's start from saved outputs; a reload of one of those is needed there, before
+    any compute it could hide under, and that storage is freed there anyway.
+    """
+    moved = [*forced, *(g for g in candidates if g.root in hidden)]
+    prediction = simulate(costs, place(moved, costs, clocks, OVERLAP_DEPTH), in_flight)
+    stalling = sorted(
+        (c for c in prediction.copies if c.stall > 0 and c.root in hidden),
+        key=lambda c: -c.stall,
+    )
+    peak = prediction.peak_bytes
+    for copy in stalling:
+        without = [g for g in moved if g.root != copy.root]
+        if peak_bytes(costs, place(without, costs, clocks, OVERLAP_DEPTH), in_flight) <= peak:
+            moved = without
+    return hidden & {g.root for g in moved}
+
+
 def _by_share(candidates: Sequence[SavedGroup], request: Request, clocks: _Clocks) -> set[str]:
     totals: dict[str, int] = {}
     for g in candidates:
@@ -353,7 +382,7 @@ def plan_offloads(groups: Sequence[SavedGroup], costs: ChunkCosts, request: Requ
     budget = _budget_bytes(request, costs)
     depth = OVERLAP_DEPTH
     if budget is None:
-        chosen |= hidden
+        chosen |= _worth_their_stalls(hidden, by_mode, forced, costs, clocks, request.in_flight)
         unchosen_reason = WOULD_NOT_HIDE
     else:
         ranked = sorted(by_mode, key=lambda g: (g.root not in hidden, -clocks.window(g)))

@@ -103,17 +103,40 @@ def test_auto_never_moves_what_forward_would_wait_for():
     assert "a8" not in moved(plan(THREE, tolerance=1.0))
 
 
+def _auto_with_half_ms_backward(groups: list[SavedGroup], tolerance: float, costs: ChunkCosts):
+    request = Request({g.root: ("", None) for g in groups}, 0, tolerance, None)
+    return plan_offloads(groups, costs, request)
+
+
 def test_auto_takes_a_backward_stall_within_its_tolerance():
     # Backward nodes of 0.5 ms: a0 is needed at 4.5 ms and a1 at 4 ms; reloading both
     # (4 ms each) from backward's start makes compute wait 3.5 ms, 23% of the 15 ms step.
+    # Forward ends with a 10 MB temporary: the peak is 18 MB with nothing moved, 14 MB
+    # with one of them moved, 10 MB with both.
     groups = THREE[:2]
+    costs = chunk(groups, backward_node=MS / 2)
+    allocated, freed = list(costs.allocated), list(costs.freed)
+    allocated[NODES] += 10 * MB
+    freed[NODES] += 10 * MB
+    costs = dataclasses.replace(costs, allocated=tuple(allocated), freed=tuple(freed))
 
-    def auto(tolerance: float) -> list[str]:
-        request = Request({g.root: ("", None) for g in groups}, 0, tolerance, None)
-        return moved(plan_offloads(groups, chunk(groups, backward_node=MS / 2), request))
+    within = _auto_with_half_ms_backward(groups, 0.2, costs)
+    assert moved(within) == ["a0"]
+    assert within.prediction.peak_bytes == 14 * MB
+    beyond = _auto_with_half_ms_backward(groups, 0.25, costs)
+    assert moved(beyond) == ["a0", "a1"]
+    assert beyond.prediction.stall_seconds == pytest.approx(3.5 * MS)
+    assert beyond.prediction.peak_bytes == 10 * MB
 
-    assert auto(0.2) == ["a0"]
-    assert auto(0.25) == ["a0", "a1"]
+
+def test_auto_takes_no_stall_that_lowers_no_peak():
+    # As above without the temporary: the peak is 8 MB whether one or both move (a1 is
+    # alive while a0 comes back), so the tolerance buys nothing and nothing stalls.
+    groups = THREE[:2]
+    result = _auto_with_half_ms_backward(groups, 0.25, chunk(groups, backward_node=MS / 2))
+    assert len(moved(result)) == 1
+    assert result.prediction.stall_seconds == 0
+    assert result.prediction.peak_bytes == 8 * MB
 
 
 def test_simulation_of_a_plan_that_stalls_matches_the_hand_computed_timeline():
