@@ -6,7 +6,8 @@ Selection, per chunk:
 - ``auto`` moves what hides: forward's copies in production order while the
   device-to-host queue finishes by the end of forward, then backward's reloads, latest
   needed first, while the host-to-device queue brings each back before its first use,
-  or late by no more than ``stall_tolerance`` of the step in all;
+  or late by no more than ``stall_tolerance`` of the step in all; a copy that makes
+  compute wait stays only if the predicted peak is higher without it;
 - ``memory_budget`` moves the fewest candidates, those ``auto`` would move first, that
   bring the predicted peak under the budget, at the overlap depth (below) whose plan is
   predicted fastest.

@@ -103,7 +103,7 @@ def test_auto_never_moves_what_forward_would_wait_for():
     assert "a8" not in moved(plan(THREE, tolerance=1.0))
 
 
-def _auto_with_half_ms_backward(groups: list[SavedGroup], tolerance: float, costs: ChunkCosts):
+def _auto(groups: list[SavedGroup], tolerance: float, costs: ChunkCosts):
     request = Request({g.root: ("", None) for g in groups}, 0, tolerance, None)
     return plan_offloads(groups, costs, request)
 
@@ -120,10 +120,10 @@ def test_auto_takes_a_backward_stall_within_its_tolerance():
     freed[NODES] += 10 * MB
     costs = dataclasses.replace(costs, allocated=tuple(allocated), freed=tuple(freed))
 
-    within = _auto_with_half_ms_backward(groups, 0.2, costs)
+    within = _auto(groups, 0.2, costs)
     assert moved(within) == ["a0"]
     assert within.prediction.peak_bytes == 14 * MB
-    beyond = _auto_with_half_ms_backward(groups, 0.25, costs)
+    beyond = _auto(groups, 0.25, costs)
     assert moved(beyond) == ["a0", "a1"]
     assert beyond.prediction.stall_seconds == pytest.approx(3.5 * MS)
     assert beyond.prediction.peak_bytes == 10 * MB
@@ -133,7 +133,7 @@ def test_auto_takes_no_stall_that_lowers_no_peak():
     # As above without the temporary: the peak is 8 MB whether one or both move (a1 is
     # alive while a0 comes back), so the tolerance buys nothing and nothing stalls.
     groups = THREE[:2]
-    result = _auto_with_half_ms_backward(groups, 0.25, chunk(groups, backward_node=MS / 2))
+    result = _auto(groups, 0.25, chunk(groups, backward_node=MS / 2))
     assert len(moved(result)) == 1
     assert result.prediction.stall_seconds == 0
     assert result.prediction.peak_bytes == 8 * MB
