@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Runs on a CUDA machine from the repository root: the side-by-side benchmark on W1 and W2
-# (22 minutes in run 15), first so that a session short of device time keeps it; the CUDA
+# (22 minutes in run 17), first so that a session short of device time keeps it; the CUDA
 # tests; the main example; and what is alive at the measured peak of the W1 configurations
-# whose predicted peak is furthest off, and of W2's `auto`, whose peak came down less than
-# the bytes it moved (run 16: 0.41 GiB less).
+# whose predicted peak is furthest off, and of W2's `auto` (in forward's last block since
+# the order stage, run 17).
 # Logs and results go to $OUT (or ./out).
 set -o pipefail
 out=${OUT:-out}
