@@ -37,6 +37,61 @@ def test_harness_runs_on_a_tiny_model_and_writes_its_results(tmp_path):
     (table,) = tmp_path.glob("*.md")
     assert "offload_pass fraction 0.5" in table.read_text()
 
+    checked = json.loads(written.read_text())
+    checked["workloads"]["tiny"]["targets"] = ["stale"]
+    written.write_text(json.dumps(checked))
+    rechecked = compare.main(["--recheck", str(written)])
+    assert rechecked["workloads"]["tiny"]["targets"] == results["workloads"]["tiny"]["targets"]
+    assert table.read_text() == compare.report(results)
+
+
+NO_COPY_RATES = compare.Hardware("cpu", None, None, None, None)
+
+
+def _point(config: str, family: str, step_ms: float, peak_gib: float) -> dict:
+    return {
+        "config": config,
+        "family": family,
+        "status": "ok",
+        "step_ms": step_ms,
+        "peak_bytes": int(peak_gib * compare.GiB),
+    }
+
+
+OURS = [
+    _point("compiled", "no offload", 100.0, 10.0),
+    _point("offload_pass auto", "offload_pass", 102.0, 8.0),
+    _point("offload_pass fraction 1", "offload_pass", 200.0, 6.0),
+]
+
+
+def test_targets_say_by_how_much_each_peer_is_not_dominated():
+    peers = [
+        _point("megatron-core", "megatron-core", 110.0, 9.0),
+        _point("memory_budget 0.7", "memory_budget", 101.0, 8.5),
+        _point("save_on_cpu", "save_on_cpu", 400.0, 5.5),
+    ]
+    assert compare.check_targets(OURS + peers, NO_COPY_RATES) == [
+        "pareto: megatron-core (110.0 ms, 9.00 GiB): dominated by offload_pass auto",
+        "pareto: memory_budget 0.7 (101.0 ms, 8.50 GiB): NOT dominated: the fastest of ours "
+        "at or under its peak, offload_pass auto, is 1.0 ms (1.0%) slower",
+        "pareto: save_on_cpu (400.0 ms, 5.50 GiB): NOT dominated: our lowest peak, "
+        "offload_pass fraction 1 at 6.00 GiB, is 0.50 GiB above it",
+    ]
+
+
+def test_checkpointing_target_names_the_nearest_of_ours():
+    above_ours = _point("checkpoint blocks", "checkpointing", 150.0, 7.0)
+    under_ours = _point("checkpoint blocks", "checkpointing", 150.0, 5.0)
+    assert compare.check_targets(OURS + [above_ours], NO_COPY_RATES)[-1] == (
+        "checkpointing: offload_pass fraction 1 is -25.0% faster at no more peak "
+        "(target >= 10%): MISSED"
+    )
+    assert compare.check_targets(OURS + [under_ours], NO_COPY_RATES)[-1] == (
+        "checkpointing: no offload_pass point at or under its peak, 136.4 ms wanted; our "
+        "lowest peak, offload_pass fraction 1 at 6.00 GiB, is 1.00 GiB above it: MISSED"
+    )
+
 
 def test_op_overhead_times_each_transfer_op():
     import torch
