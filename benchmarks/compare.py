@@ -183,12 +183,17 @@ def _against_checkpointing(
         )
     fastest = min(under, key=lambda o: o["step_ms"])
     gain = checkpoint["step_ms"] / fastest["step_ms"] - 1
+    speed = (
+        f"{gain:.1%} faster"
+        if gain >= 0
+        else f"{fastest['step_ms'] / checkpoint['step_ms'] - 1:.1%} slower"
+    )
     verdict = (
         "met" if gain >= 0.10 else "MISSED" + _floor_to_reach(checkpoint["peak_bytes"], base, hw)
     )
     return (
-        f"checkpointing: {fastest['config']} is {gain:.1%} faster at no more peak "
-        f"(target >= 10%): {verdict}"
+        f"checkpointing: {fastest['config']} is {speed} at no more peak "
+        f"(target >= 10% faster): {verdict}"
     )
 
 
