@@ -135,8 +135,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     result = measure(workload, args.recompute_budget, fraction)
     print(
         f"{workload.name}, {workload.layers} layers, fraction {args.fraction}, "
-        f"recompute_budget {args.recompute_budget}: "
-        "predicted peak "
+        f"recompute_budget {args.recompute_budget}: predicted peak "
         f"{format_bytes(result.predicted_bytes)}, Inductor's CPU backward code "
         f"{format_bytes(result.code_bytes)} (at `{result.at_line[:90]}`)"
     )
