@@ -27,14 +27,19 @@ def host_microseconds(call: Callable[[], object], calls: int) -> float:
 
 def measure(device: torch.device, calls: int) -> list[tuple[str, float]]:
     a = torch.randn(256, device=device)
-    offloaded: list[torch.Tensor] = []
-    offload = host_microseconds(lambda: offloaded.append(ops.OFFLOAD(a, (1,))), calls)
-    h = offloaded[0]
-    wait = host_microseconds(lambda: ops.OFFLOAD_WAIT(h, a, []), calls)
-    reloaded: list[torch.Tensor] = []
-    reload = host_microseconds(lambda: reloaded.append(ops.RELOAD(h, device, [])), calls)
-    pending = iter(reloaded)
-    reload_wait = host_microseconds(lambda: ops.RELOAD_WAIT(next(pending)), calls)
+    layout = (0,)
+    tickets: list[torch.Tensor] = []
+    offload = host_microseconds(lambda: tickets.append(ops.OFFLOAD(a, layout)), calls)
+    pending = iter(tickets)
+    hosts: list[torch.Tensor] = []
+    wait = host_microseconds(
+        lambda: hosts.append(ops.OFFLOAD_WAIT(next(pending), a, layout, [])), calls
+    )
+    h = hosts[0]
+    tickets = []
+    reload = host_microseconds(lambda: tickets.append(ops.RELOAD(h, device, [])), calls)
+    pending = iter(tickets)
+    reload_wait = host_microseconds(lambda: ops.RELOAD_WAIT(next(pending), h, device), calls)
     baseline = host_microseconds(lambda: a.clone(), calls)
     return [
         ("offload", offload),

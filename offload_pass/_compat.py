@@ -7,6 +7,7 @@ tests/test_compat.py.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,20 +53,28 @@ def stock_partition(
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
+def inductor_config(mode: str | None, options: dict[str, Any] | None) -> dict[str, Any]:
+    """The Inductor settings ``torch.compile(mode=..., options=...)`` stands for, checked
+    as torch.compile checks them for its own Inductor backend."""
+    return dict(torch._TorchCompileInductorWrapper(mode, options, None).config)
+
+
 def compile_with_inductor(
     gm: torch.fx.GraphModule,
     example_inputs: Sequence[object],
     partitioner: CustomPartitionerFn,
     holds_transfers: Callable[[torch.fx.GraphModule], bool],
+    config: dict[str, Any],
 ) -> Callable[..., Any]:
-    """Inductor with ``partitioner`` in place of its own.
+    """Inductor with ``partitioner`` in place of its own, under ``config`` (from
+    :func:`inductor_config`).
 
     Compile caches are off for these graphs: a cached graph would skip the partitioner,
     and with it the current plan (fractions change between compiles).
     """
     from torch._inductor.compile_fx import compile_fx
 
-    patches = {"custom_partitioner_fn": partitioner, "fx_graph_cache": False}
+    patches = {**config, "custom_partitioner_fn": partitioner, "fx_graph_cache": False}
     with torch._functorch.config.patch(enable_autograd_cache=False):
         return compile_fx(
             gm,
@@ -84,7 +93,15 @@ def inductor_graph_compiler(
     from torch._inductor import compile_fx, config
 
     def compile_graph(graph: torch.fx.GraphModule, inputs: Sequence[object], **kwargs: Any) -> Any:
-        patches = {"reorder_for_peak_memory": False} if holds_transfers(graph) else {}
+        transfers = holds_transfers(graph)
+        if transfers and config.triton.cudagraphs:
+            warnings.warn(
+                "offload_pass: CUDA graphs (torch.compile mode 'reduce-overhead' or "
+                "'max-autotune') are not captured for a graph that holds transfers; "
+                "Inductor runs that graph without them",
+                stacklevel=2,
+            )
+        patches = {"reorder_for_peak_memory": False} if transfers else {}
         with config.patch(patches):
             return compile_fx.compile_fx_inner(graph, inputs, **kwargs)
 

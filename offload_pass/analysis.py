@@ -12,10 +12,10 @@ from collections.abc import Iterator
 
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
 
 from offload_pass import _compat
 from offload_pass.layout import is_dense
+from offload_pass.symbolic import SymbolSources
 
 # Why a saved group cannot move at all (the planner adds its own reasons).
 INPUT_ALIAS = "input or parameter"
@@ -108,13 +108,10 @@ def view_chain(node: torch.fx.Node) -> tuple[torch.fx.Node, ...]:
     return tuple(reversed(chain))
 
 
-def is_replayable(chain: tuple[torch.fx.Node, ...]) -> bool:
-    """Each view takes only constants besides its input, so backward can apply it again."""
-    for node in chain:
-        leaves = pytree.tree_leaves((node.args[1:], node.kwargs))
-        if any(isinstance(leaf, torch.fx.Node) for leaf in leaves):
-            return False
-    return True
+def is_replayable(chain: tuple[torch.fx.Node, ...], sources: SymbolSources) -> bool:
+    """Each view takes constants besides its input, or sizes backward can compute, so
+    backward can apply it again."""
+    return all(sources.can_derive((node.args[1:], node.kwargs)) for node in chain)
 
 
 def aliases(root: torch.fx.Node) -> Iterator[torch.fx.Node]:
@@ -156,6 +153,7 @@ def _fixed_reason(
     members: list[torch.fx.Node],
     user_outputs: set[torch.fx.Node],
     bw_inputs: dict[str, torch.fx.Node],
+    backward: torch.fx.Graph,
 ) -> str | None:
     value = root.meta.get("val")
     if any(m.name not in bw_inputs or not bw_inputs[m.name].users for m in members):
@@ -173,7 +171,8 @@ def _fixed_reason(
         return EMPTY
     if not is_dense(value):
         return NON_DENSE
-    if not all(is_replayable(view_chain(m)) for m in members):
+    sources = SymbolSources.of(backward, value)
+    if not all(is_replayable(view_chain(m), sources) for m in members):
         return NOT_REPLAYABLE
     return None
 
@@ -246,7 +245,9 @@ def find_saved_groups(chunk: ChunkGraphs) -> tuple[SavedGroup, ...]:
                 last_forward_use=max([fw_index[root], *(fw_index[r] for r in readers_fw)]),
                 forward_readers=tuple(r.name for r in readers_fw),
                 first_backward_use=min((bw_index[r] for r in readers), default=len(bw_index)),
-                fixed_reason=_fixed_reason(root, members, user_outputs, bw_inputs),
+                fixed_reason=_fixed_reason(
+                    root, members, user_outputs, bw_inputs, chunk.backward.graph
+                ),
             )
         )
     return tuple(sorted(groups, key=lambda g: g.produced_at))

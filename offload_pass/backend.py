@@ -39,12 +39,28 @@ class OffloadBackend:
         return OffloadPartitioner(self.options, name, self.plans.append)
 
     def __call__(
-        self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]
+        self,
+        gm: torch.fx.GraphModule,
+        example_inputs: Sequence[object],
+        *,
+        mode: str | None = None,
+        options: dict[str, Any] | None = None,
     ) -> Callable[..., Any]:
+        """Compile one Dynamo graph. ``mode`` and ``options`` are torch.compile's, which
+        it passes on to a backend other than its own Inductor: they configure Inductor
+        here as they would there."""
+        if self.options.compiler == "eager" and (mode or options):
+            raise ValueError(
+                "torch.compile's mode= and options= configure Inductor; this backend has "
+                "compiler='eager', which runs the graphs without Inductor"
+            )
+        config = _compat.inductor_config(mode, options)
         partitioner = self.partitioner_for(gm)
         if self.options.compiler == "eager":
             return _compat.compile_with_eager(gm, example_inputs, partitioner)
-        return _compat.compile_with_inductor(gm, example_inputs, partitioner, ops.holds_transfers)
+        return _compat.compile_with_inductor(
+            gm, example_inputs, partitioner, ops.holds_transfers, config
+        )
 
     def __repr__(self) -> str:
         return f"OffloadBackend({self.options})"
@@ -110,6 +126,9 @@ default_backend = OffloadBackend(OffloadOptions())
 """What ``torch.compile(model, backend="offload")`` uses; its plans are kept here."""
 
 
-def offload(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> Callable[..., Any]:
-    """The ``"offload"`` backend name: :data:`default_backend`."""
-    return default_backend(gm, example_inputs)
+def offload(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[object], **compile_options: Any
+) -> Callable[..., Any]:
+    """The ``"offload"`` backend name: :data:`default_backend` (``compile_options``:
+    torch.compile's ``mode`` and ``options``)."""
+    return default_backend(gm, example_inputs, **compile_options)

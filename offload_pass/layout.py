@@ -1,4 +1,9 @@
-"""Layouts the transfers keep: a copy is one flat memcpy when the tensor is dense."""
+"""Layouts the transfers keep: a copy is one flat memcpy when the tensor is dense.
+
+A dense layout is named by the order of its dimensions in memory, outermost first (the
+``physical_layout`` of ``torch.empty_permuted``). That order holds for every size the
+graph may run at, where strides are symbolic and their values change from call to call.
+"""
 
 from __future__ import annotations
 
@@ -7,25 +12,26 @@ import torch
 from offload_pass import _compat
 
 
+def dense_layout(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The dimension order, outermost first, whose dense strides are ``t``'s; None when
+    ``t``'s elements do not fill its storage span exactly, or its strides have no hint.
+
+    Sizes and strides are read from their hints. The stride of a dimension of size 1
+    never matters; it goes inside the other dimensions of its stride.
+    """
+    sizes = [_compat.concrete_int(s) for s in t.shape]
+    strides = [_compat.concrete_int(s) for s in t.stride()]
+    if None in sizes or None in strides:
+        return None
+    order = sorted(range(t.dim()), key=lambda d: (-strides[d], sizes[d] == 1, d))
+    expected = 1
+    for d in reversed(order):
+        if sizes[d] != 1 and strides[d] != expected:
+            return None
+        expected *= sizes[d]
+    return tuple(order)
+
+
 def is_dense(t: torch.Tensor) -> bool:
     """Whether ``t``'s elements fill its storage span exactly, in some dimension order."""
-    dims = [
-        (_compat.concrete_int(stride), _compat.concrete_int(size))
-        for size, stride in zip(t.shape, t.stride(), strict=True)
-        if _compat.concrete_int(size) != 1
-    ]
-    if any(stride is None or size is None for stride, size in dims):
-        return False
-    expected = 1
-    for stride, size in sorted(dims):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def dense_strides(t: torch.Tensor) -> tuple[int, ...]:
-    """The strides a copy of ``t`` keeps: ``t``'s own when dense, else contiguous."""
-    if is_dense(t):
-        return tuple(t.stride())
-    return torch.empty(t.shape, device="meta").stride()
+    return dense_layout(t) is not None

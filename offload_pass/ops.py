@@ -1,11 +1,17 @@
 """The four graph ops of the offload contract (see docs/design.md).
 
-``offload_wait`` and ``reload_wait`` declare that they mutate the tensor they complete.
-That keeps them from being dropped as dead code, and orders every later read of that
-tensor after them, in the FX graph and in Inductor's schedule alike. ``offload_wait``
-also declares that it mutates the device tensor, so every earlier read of it is ordered
-before the wait. ``offload_wait`` and ``reload`` take ``after``: values computed where the
-planner placed them, so no compiler pass can move them earlier than that point.
+Every op is functional: none declares a mutation, and each returns a tensor that the
+next one consumes, so a compiler orders them by data edges alone and no functionalization
+pass ever clones a tensor whose copy is in flight.
+
+    ticket = offload(a, layout)                   # copy a to a new host buffer
+    h      = offload_wait(ticket, a, layout, after)  # compute waits; the last use of a
+    ticket = reload(h, device, after)             # copy h to a new device buffer
+    g      = reload_wait(ticket, h)               # compute waits; g is read from here on
+
+A ticket is a scalar CPU tensor naming one copy in flight; the buffer being written
+stays with the runtime until the wait returns it. ``after`` holds values computed where
+the planner placed the op, so no compiler pass moves it earlier than that point.
 """
 
 from collections.abc import Sequence
@@ -14,57 +20,60 @@ import torch
 import torch.fx
 from torch import Tensor
 
-from offload_pass import _compat, runtime
+from offload_pass import runtime
 
 
-@torch.library.custom_op(
-    "offload_pass::offload", mutates_args=(), tags=_compat.exact_strides_tags()
-)
-def offload(a: Tensor, stride: Sequence[int]) -> Tensor:
-    """Start copying ``a`` into a host buffer with strides ``stride``.
+@torch.library.custom_op("offload_pass::offload", mutates_args=())
+def offload(a: Tensor, layout: Sequence[int]) -> Tensor:
+    """Start copying ``a`` into a host buffer whose dimensions are laid out, outermost
+    first, in the order ``layout`` gives.
 
-    The strides are fixed when the graph is rewritten, so the host tensor has the layout
+    The layout is fixed when the graph is rewritten, so the host tensor has the strides
     the backward graph was compiled for, whatever layout the compiler chose for ``a``.
     """
-    return runtime.offload(a, stride)
+    return runtime.offload(a, layout)
 
 
 @offload.register_fake
-def _offload_fake(a: Tensor, stride: Sequence[int]) -> Tensor:
-    return torch.empty_strided(a.shape, stride, dtype=a.dtype, device="cpu")
+def _offload_fake(a: Tensor, layout: Sequence[int]) -> Tensor:
+    return runtime.new_ticket_like()
 
 
-@torch.library.custom_op("offload_pass::offload_wait", mutates_args=("h", "a"))
-def offload_wait(h: Tensor, a: Tensor, after: Sequence[Tensor]) -> None:
-    """Make the compute stream wait until ``h`` holds ``a``; the last use of ``a``."""
-    runtime.offload_wait(h, a)
+@torch.library.custom_op("offload_pass::offload_wait", mutates_args=())
+def offload_wait(
+    ticket: Tensor, a: Tensor, layout: Sequence[int], after: Sequence[Tensor]
+) -> Tensor:
+    """Make the compute stream wait until the host buffer holds ``a``, and return it."""
+    return runtime.offload_wait(ticket, a)
 
 
 @offload_wait.register_fake
-def _offload_wait_fake(h: Tensor, a: Tensor, after: Sequence[Tensor]) -> None:
-    return None
+def _offload_wait_fake(
+    ticket: Tensor, a: Tensor, layout: Sequence[int], after: Sequence[Tensor]
+) -> Tensor:
+    return torch.empty_permuted(a.shape, layout, dtype=a.dtype, device="cpu")
 
 
 @torch.library.custom_op("offload_pass::reload", mutates_args=())
 def reload(h: Tensor, device: torch.device, after: Sequence[Tensor]) -> Tensor:
-    """Start copying ``h`` back to ``device`` once its offload has completed."""
+    """Start copying ``h`` back to ``device``."""
     return runtime.reload(h, device)
 
 
 @reload.register_fake
 def _reload_fake(h: Tensor, device: torch.device, after: Sequence[Tensor]) -> Tensor:
-    return torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=device)
+    return runtime.new_ticket_like()
 
 
-@torch.library.custom_op("offload_pass::reload_wait", mutates_args=("g",))
-def reload_wait(g: Tensor) -> None:
-    """Make the compute stream wait until the reload into ``g`` has completed."""
-    runtime.reload_wait(g)
+@torch.library.custom_op("offload_pass::reload_wait", mutates_args=())
+def reload_wait(ticket: Tensor, h: Tensor, device: torch.device) -> Tensor:
+    """Make the compute stream wait until the reload of ``h`` has landed, and return it."""
+    return runtime.reload_wait(ticket)
 
 
 @reload_wait.register_fake
-def _reload_wait_fake(g: Tensor) -> None:
-    return None
+def _reload_wait_fake(ticket: Tensor, h: Tensor, device: torch.device) -> Tensor:
+    return torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=device)
 
 
 OFFLOAD = torch.ops.offload_pass.offload.default
@@ -72,6 +81,7 @@ OFFLOAD_WAIT = torch.ops.offload_pass.offload_wait.default
 RELOAD = torch.ops.offload_pass.reload.default
 RELOAD_WAIT = torch.ops.offload_pass.reload_wait.default
 TRANSFERS = frozenset({OFFLOAD, OFFLOAD_WAIT, RELOAD, RELOAD_WAIT})
+TICKETS = frozenset({OFFLOAD, RELOAD})
 
 
 def holds_transfers(gm: torch.fx.GraphModule) -> bool:

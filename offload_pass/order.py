@@ -143,13 +143,16 @@ def _freed_storages(
     resident: frozenset[str],
     position: dict[torch.fx.Node, int],
 ) -> set[torch.fx.Node]:
-    """The storages the kernel (the last member) reads last: each is freed once it ran."""
+    """The storages the kernel (the last member) reads last: each is freed once it ran.
+    (Sizes that views take are values, not storages.)"""
     kernel = members[-1]
     roots = {storage_root(a) for m in members for a in m.all_input_nodes}
     return {
         root
         for root in roots
-        if root.name not in resident and max(readers[root], key=position.__getitem__) is kernel
+        if root in readers
+        and root.name not in resident
+        and max(readers[root], key=position.__getitem__) is kernel
     }
 
 

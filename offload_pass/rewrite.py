@@ -1,9 +1,10 @@
 """Rewrite: insert the transfer ops where the plan says. Decides nothing.
 
-Forward: ``h = offload(a)`` after ``a``'s producer, ``offload_wait(h, a)`` where placed,
-and ``h`` replaces the saved values of ``a``'s storage in the outputs. Backward: the
-saved-value inputs become one host input, ``g = reload(h)`` and ``reload_wait(g)`` go
-where placed, and each saved view is applied again to ``g``.
+Forward: ``ticket = offload(a)`` after ``a``'s producer, ``h = offload_wait(ticket, a)``
+where placed, and ``h`` replaces the saved values of ``a``'s storage in the outputs.
+Backward: the saved-value inputs become one host input, ``ticket = reload(h)`` and
+``g = reload_wait(ticket, h)`` go where placed, and each saved view is applied again to
+``g`` (with symbolic sizes computed from backward's own values).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import torch.fx
 
 from offload_pass import _compat, ops
 from offload_pass.analysis import ChunkGraphs, SavedGroup, materializes, view_chain
-from offload_pass.layout import dense_strides
+from offload_pass.layout import dense_layout
 from offload_pass.planner import Placement
+from offload_pass.symbolic import SymbolSources
 
 _COPIED_META = ("nn_module_stack", "stack_trace", "source_fn_stack")
 
@@ -40,7 +42,7 @@ def _token_before(node: torch.fx.Node) -> list[torch.fx.Node]:
     (none if only graph inputs come before). A fused intermediate would be written out
     just to serve as the token."""
     while node.op not in ("placeholder", "root"):
-        transfer = node.target in (ops.OFFLOAD, ops.RELOAD)
+        transfer = node.target in ops.TICKETS
         if not transfer and isinstance(node.meta.get("val"), torch.Tensor) and materializes(node):
             return [node]
         node = node.prev
@@ -58,15 +60,16 @@ def _wait_tokens(
     group: SavedGroup,
     nodes: dict[str, torch.fx.Node],
     wait_after: torch.fx.Node,
-    host: dict[str, torch.fx.Node],
+    tickets: dict[str, torch.fx.Node],
 ) -> list[torch.fx.Node]:
     """What an offload_wait must come after: every kernel reading the storage, and the
     point the planner chose. (Depending on the readers' results keeps a compiler from
-    computing a fused read after the wait.) A moved storage stands in by its host copy,
-    so its own wait stays its last use."""
+    computing a fused read after the wait.) A moved storage stands in by its ticket, so
+    its own wait stays its last use."""
     order = {n: i for i, n in enumerate(wait_after.graph.nodes)}
     readers = [_as_tensor(nodes[name]) for name in group.forward_readers]
-    found = [host.get(t.name, t) for t in [*readers, *_token_before(wait_after)] if t is not None]
+    candidates = [t for t in [*readers, *_token_before(wait_after)] if t is not None]
+    found = [tickets.get(t.name, t) for t in candidates]
     return [
         t
         for t in dict.fromkeys(found)
@@ -83,20 +86,22 @@ def rewrite_forward(
     """Insert offload and offload_wait; return the host node of each moved root."""
     graph = forward.graph
     nodes = {n.name: n for n in graph.nodes}
-    host: dict[str, torch.fx.Node] = {}
+    layouts = {p.root: dense_layout(nodes[p.root].meta["val"]) for p in placements}
+    tickets: dict[str, torch.fx.Node] = {}
     for p in placements:
         root = nodes[p.root]
         with graph.inserting_after(root):
-            stride = dense_strides(root.meta["val"])
-            host[p.root] = _add_node(graph, ops.OFFLOAD, (root, stride), root)
+            tickets[p.root] = _add_node(graph, ops.OFFLOAD, (root, layouts[p.root]), root)
     tokens = {
-        p.root: _wait_tokens(groups[p.root], nodes, nodes[p.wait_after], host) for p in placements
+        p.root: _wait_tokens(groups[p.root], nodes, nodes[p.wait_after], tickets)
+        for p in placements
     }
+    host: dict[str, torch.fx.Node] = {}
     for p in reversed(placements):
-        anchor = host.get(p.wait_after, nodes[p.wait_after])
-        args = (host[p.root], nodes[p.root], tokens[p.root])
+        anchor = tickets.get(p.wait_after, nodes[p.wait_after])
+        args = (tickets[p.root], nodes[p.root], layouts[p.root], tokens[p.root])
         with graph.inserting_after(anchor):
-            _add_node(graph, ops.OFFLOAD_WAIT, args, nodes[p.root])
+            host[p.root] = _add_node(graph, ops.OFFLOAD_WAIT, args, nodes[p.root])
 
     output = graph.output_node()
     outputs = list(output.args[0])
@@ -138,15 +143,18 @@ def rewrite_backward(
     by_first_use = sorted(placements, key=lambda p: position[p.first_use])
     for p in by_first_use:
         root = fw_nodes[p.root]
-        args = (host_inputs[p.root], root.meta["val"].device, tokens[p.root])
+        device = root.meta["val"].device
+        h = host_inputs[p.root]
         with graph.inserting_before(nodes[p.reload_before]):
-            loaded = _add_node(graph, ops.RELOAD, args, root)
+            ticket = _add_node(graph, ops.RELOAD, (h, device, tokens[p.root]), root)
         with graph.inserting_before(nodes[p.first_use]):
-            _add_node(graph, ops.RELOAD_WAIT, (loaded,), root)
+            loaded = _add_node(graph, ops.RELOAD_WAIT, (ticket, h, device), root)
+            sizes = SymbolSources.of(graph, root.meta["val"])
             for member in groups[p.root].members:
                 view = loaded
                 for step in view_chain(fw_nodes[member]):
-                    view = _add_node(graph, step.target, (view, *step.args[1:]), step, step.kwargs)
+                    args, kwargs = sizes.derive((step.args[1:], step.kwargs), graph, loaded)
+                    view = _add_node(graph, step.target, (view, *args), step, kwargs)
                 nodes[member].replace_all_uses_with(view)
                 graph.erase_node(nodes[member])
     graph.lint()

@@ -1,10 +1,15 @@
 """What the offload ops do when they run: copy streams, completion events, host buffers.
 
-State is per transfer, never per chunk: each offload returns its own host tensor and
-records its own completion event, and that event travels with the host tensor until the
-tensor dies. Pinned host buffers come from PyTorch's caching host allocator, which keeps
-freed blocks for reuse (no new pinned allocation in steady state) and hands a block out
-again only after the copies recorded against it have completed.
+State is per transfer, never per chunk: each copy in flight is named by its own ticket
+(a scalar CPU tensor the graph passes from the op that starts the copy to the op that
+waits for it) and records its own completion event. The buffer a copy writes stays with
+the runtime until its wait hands it to the graph, so nothing reads it early; a reload's
+device buffer is also recorded on the copy stream, so that if backward raises before the
+wait, the allocator does not hand the buffer out again while the copy still writes it.
+
+Pinned host buffers come from PyTorch's caching host allocator, which keeps freed blocks
+for reuse (no new pinned allocation in steady state) and hands a block out again only
+after the copies recorded against it have completed.
 
 On a device other than CUDA every copy runs synchronously on the current thread and every
 wait is a no-op, so CPU tests run the same graphs.
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -36,24 +42,38 @@ class TransferCounts:
     """Live runtime objects; all return to their baseline once saved tensors are freed."""
 
     host_buffers: int
+    pending_offloads: int
     pending_reloads: int
     offloads: int
     bytes_offloaded: int
 
 
+@dataclasses.dataclass(frozen=True)
+class _PendingCopy:
+    """A copy in flight: the buffer it writes, and its completion event (None off CUDA)."""
+
+    buffer: torch.Tensor
+    done: torch.cuda.Event | None
+
+
 _lock = threading.Lock()
 _streams: dict[int, CopyStreams] = {}
-# Keyed by the data pointer of a live host tensor (or reloaded device tensor). An entry
-# is removed by a finalizer when that tensor dies, so a key never outlives its storage.
+# Copies in flight, by ticket number. An entry leaves at its wait, or when its ticket
+# dies unwaited (forward or backward raised in between).
+_pending_offloads: dict[int, _PendingCopy] = {}
+_pending_reloads: dict[int, _PendingCopy] = {}
+# Completion events of the offloads, by the data pointer of the live host tensor; an
+# entry is removed by a finalizer when that tensor dies.
 _offload_done: dict[int, torch.cuda.Event | None] = {}
-_reload_done: dict[int, torch.cuda.Event | None] = {}
+_ticket_numbers = itertools.count()
 _totals = {"offloads": 0, "bytes": 0}
 
 
 def counts() -> TransferCounts:
     return TransferCounts(
         host_buffers=len(_offload_done),
-        pending_reloads=len(_reload_done),
+        pending_offloads=len(_pending_offloads),
+        pending_reloads=len(_pending_reloads),
         offloads=_totals["offloads"],
         bytes_offloaded=_totals["bytes"],
     )
@@ -84,16 +104,39 @@ def copy_streams(device: torch.device) -> CopyStreams:
         return _streams[index]
 
 
-def _track(table: dict, tensor: torch.Tensor, event: torch.cuda.Event | None) -> None:
-    key = tensor.untyped_storage().data_ptr()
-    table[key] = event
-    weakref.finalize(tensor, table.pop, key, None)
+def new_ticket_like() -> torch.Tensor:
+    """A ticket's shape and type: a scalar int64 CPU tensor."""
+    return torch.empty((), dtype=torch.int64)
 
 
-def _host_buffer(a: torch.Tensor, stride: Sequence[int]) -> torch.Tensor:
+def _issue(table: dict[int, _PendingCopy], copy: _PendingCopy) -> torch.Tensor:
+    number = next(_ticket_numbers)
+    ticket = torch.tensor(number)
+    table[number] = copy
+    weakref.finalize(ticket, table.pop, number, None)
+    return ticket
+
+
+def _redeem(table: dict[int, _PendingCopy], ticket: torch.Tensor, op: str) -> _PendingCopy:
+    copy = table.pop(int(ticket), None)
+    if copy is None:
+        raise OffloadError(
+            f"{op}: ticket {int(ticket)} names no copy in flight (it was waited for already, "
+            "or was not produced by offload_pass)"
+        )
+    return copy
+
+
+def _wait(copy: _PendingCopy, device: torch.device) -> torch.Tensor:
+    if copy.done is not None:
+        torch.cuda.current_stream(device).wait_event(copy.done)
+    return copy.buffer
+
+
+def _host_buffer(a: torch.Tensor, layout: Sequence[int]) -> torch.Tensor:
     pin = a.device.type == "cuda"
     try:
-        return torch.empty_strided(a.shape, stride, dtype=a.dtype, device="cpu", pin_memory=pin)
+        return torch.empty_permuted(a.shape, layout, dtype=a.dtype, device="cpu", pin_memory=pin)
     except RuntimeError as error:
         nbytes = a.numel() * a.element_size()
         raise OffloadError(
@@ -103,80 +146,63 @@ def _host_buffer(a: torch.Tensor, stride: Sequence[int]) -> torch.Tensor:
         ) from error
 
 
-def offload(a: torch.Tensor, stride: Sequence[int]) -> torch.Tensor:
+def offload(a: torch.Tensor, layout: Sequence[int]) -> torch.Tensor:
     with _named("offload", a.device):
-        return _offload(a, stride)
+        h = _host_buffer(a, layout)
+        event = None
+        if a.device.type == "cuda":
+            streams = copy_streams(a.device)
+            streams.device_to_host.wait_stream(torch.cuda.current_stream(a.device))
+            with torch.cuda.stream(streams.device_to_host):
+                h.copy_(a, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(streams.device_to_host)
+        else:
+            h.copy_(a)
+        key = h.untyped_storage().data_ptr()
+        _offload_done[key] = event
+        weakref.finalize(h, _offload_done.pop, key, None)
+        _totals["offloads"] += 1
+        _totals["bytes"] += h.numel() * h.element_size()
+        return _issue(_pending_offloads, _PendingCopy(h, event))
 
 
-def _offload(a: torch.Tensor, stride: Sequence[int]) -> torch.Tensor:
-    h = _host_buffer(a, stride)
-    event = None
-    if a.device.type == "cuda":
-        streams = copy_streams(a.device)
-        streams.device_to_host.wait_stream(torch.cuda.current_stream(a.device))
-        with torch.cuda.stream(streams.device_to_host):
-            h.copy_(a, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(streams.device_to_host)
-    else:
-        h.copy_(a)
-    _track(_offload_done, h, event)
-    _totals["offloads"] += 1
-    _totals["bytes"] += h.numel() * h.element_size()
-    return h
-
-
-def _offload_event(h: torch.Tensor) -> torch.cuda.Event | None:
-    key = h.untyped_storage().data_ptr()
-    if key not in _offload_done:
-        raise OffloadError(
-            "host tensor was not produced by offload_pass.offload (or was already freed)"
-        )
-    return _offload_done[key]
-
-
-def offload_wait(h: torch.Tensor, a: torch.Tensor) -> None:
+def offload_wait(ticket: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """The compute stream waits for the copy of ``a``; after this ``a`` may be freed."""
     with _named("offload_wait", a.device):
-        event = _offload_event(h)
-        if event is not None:
-            torch.cuda.current_stream(a.device).wait_event(event)
+        return _wait(_redeem(_pending_offloads, ticket, "offload_wait"), a.device)
 
 
 def wait_for_offload(stream: torch.cuda.Stream, h: torch.Tensor) -> None:
-    """The reload's copy stream never reads a host buffer still being filled."""
-    event = _offload_event(h)
+    """The reload's copy stream never reads a host buffer still being filled.
+
+    In a graph this holds already (``h`` exists only after its offload_wait, and the copy
+    stream waits for compute); the event makes it hold for any caller.
+    """
+    event = _offload_done.get(h.untyped_storage().data_ptr())
     if event is not None:
         stream.wait_event(event)
 
 
 def reload(h: torch.Tensor, device: torch.device) -> torch.Tensor:
     with _named("reload", device):
-        return _reload(h, device)
+        g = torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=device)
+        event = None
+        if device.type == "cuda":
+            streams = copy_streams(device)
+            streams.host_to_device.wait_stream(torch.cuda.current_stream(device))
+            wait_for_offload(streams.host_to_device, h)
+            with torch.cuda.stream(streams.host_to_device):
+                g.copy_(h, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(streams.host_to_device)
+            g.record_stream(streams.host_to_device)
+        else:
+            g.copy_(h)
+        return _issue(_pending_reloads, _PendingCopy(g, event))
 
 
-def _reload(h: torch.Tensor, device: torch.device) -> torch.Tensor:
-    g = torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=device)
-    event = None
-    if device.type == "cuda":
-        streams = copy_streams(device)
-        streams.host_to_device.wait_stream(torch.cuda.current_stream(device))
-        wait_for_offload(streams.host_to_device, h)
-        with torch.cuda.stream(streams.host_to_device):
-            g.copy_(h, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(streams.host_to_device)
-    else:
-        _offload_event(h)
-        g.copy_(h)
-    _track(_reload_done, g, event)
-    return g
-
-
-def reload_wait(g: torch.Tensor) -> None:
-    key = g.untyped_storage().data_ptr()
-    if key not in _reload_done:
-        raise OffloadError("reload_wait on a tensor that no pending reload produced")
-    event = _reload_done.pop(key)
-    if event is not None:
-        with _named("reload_wait", g.device):
-            torch.cuda.current_stream(g.device).wait_event(event)
+def reload_wait(ticket: torch.Tensor) -> torch.Tensor:
+    copy = _redeem(_pending_reloads, ticket, "reload_wait")
+    with _named("reload_wait", copy.buffer.device):
+        return _wait(copy, copy.buffer.device)

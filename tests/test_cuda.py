@@ -28,15 +28,19 @@ def _stall(stream: torch.cuda.Stream, ms: int = STALL_MS) -> None:
 
 
 def _reload_after_stalled_offload() -> tuple[bool, bool]:
-    """(the offload was still in flight when the reload was issued, reload == source)."""
+    """(the offload was still in flight when the reload was issued, reload == source).
+
+    The reload takes the host buffer before its offload_wait, as no graph can: the copy
+    streams' own ordering is what is checked."""
     a = torch.randn(64 * 2**20, device="cuda")  # 256 MiB, fresh values every call
     torch.cuda.synchronize()
     _stall(runtime.copy_streams(a.device).device_to_host)
-    h = ops.offload(a, a.stride())
-    g = ops.reload(h, a.device, [])
+    ticket = ops.offload(a, (0,))
+    h = runtime._pending_offloads[int(ticket)].buffer
+    reloading = ops.reload(h, a.device, [])
     in_flight = not runtime._offload_done[h.untyped_storage().data_ptr()].query()
-    ops.reload_wait(g)
-    same = torch.equal(g, a)
+    same = torch.equal(ops.reload_wait(reloading, h, a.device), a)
+    ops.offload_wait(ticket, a, (0,), [])
     torch.cuda.synchronize()
     return in_flight, same
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 
 import pytest
 import torch
 
 import offload_pass
+from offload_pass.profiles import BUILT_IN
 from tests import models
 from tests.conftest import total
 
@@ -91,3 +93,81 @@ def test_forward_without_backward_leaks_nothing():
     after = offload_pass.counts()
     assert after.host_buffers == baseline.host_buffers
     assert after.pending_reloads == baseline.pending_reloads
+
+
+_failing = {"armed": False}
+
+
+@torch.library.custom_op("offload_pass_tests::fail_in_backward", mutates_args=())
+def fail_in_backward(x: torch.Tensor) -> torch.Tensor:
+    """Identity in forward; its backward raises while ``_failing["armed"]`` is set."""
+    return x.clone()
+
+
+@fail_in_backward.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("offload_pass_tests::raise_if_armed", mutates_args=())
+def raise_if_armed(grad: torch.Tensor) -> torch.Tensor:
+    if _failing["armed"]:
+        raise RuntimeError("a failure in the middle of backward")
+    return grad.clone()
+
+
+@raise_if_armed.register_fake
+def _(grad: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(grad)
+
+
+fail_in_backward.register_autograd(lambda ctx, grad: raise_if_armed(grad))
+
+
+class FailsMidBackward(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = models.BlockStack(depth=2)
+        self.second = models.BlockStack(depth=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(fail_in_backward(self.first(x)))
+
+
+def test_backward_that_raises_between_reload_and_wait_leaks_nothing():
+    """A step whose backward raises (an OOM caught by a skip-batch handler, say) leaves no
+    copy in flight once its exception is dropped, and the next step trains as usual."""
+    torch.manual_seed(0)
+    model = FailsMidBackward()
+    plain = copy.deepcopy(model)
+    slow_reloads = dataclasses.replace(BUILT_IN["h200"], host_to_device=1e6)
+    backend = offload_pass.backend(
+        fraction=1.0, min_bytes=0, compiler="eager", profile=slow_reloads
+    )
+    compiled = torch.compile(model, backend=backend)
+    reference = torch.compile(plain, backend="aot_eager")
+    x = torch.randn(2, 16, 32)
+    gc.collect()
+    baseline = offload_pass.counts()
+
+    loss = total(compiled(x))
+    _failing["armed"] = True
+    try:
+        with pytest.raises(RuntimeError, match="middle of backward") as failure:
+            loss.backward()
+    finally:
+        _failing["armed"] = False
+    assert offload_pass.counts().pending_reloads > baseline.pending_reloads, "none in flight"
+    del failure, loss
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    after = offload_pass.counts()
+    assert (after.pending_reloads, after.host_buffers) == (
+        baseline.pending_reloads,
+        baseline.host_buffers,
+    )
+
+    total(compiled(x)).backward()
+    total(reference(x)).backward()
+    for name, grad in _grads(model).items():
+        assert torch.equal(grad, dict(plain.named_parameters())[name].grad), name

@@ -58,9 +58,9 @@ def test_storage_crosses_once_and_views_share_one_storage_after_reload():
     left, right = _forward(x, w)[1:]
     assert torch.equal(grad, _backward(left, right, torch.tensor(1.0))[0])
 
-    (reload,) = plan.backward.graph.find_nodes(op="call_function", target=ops.RELOAD)
+    (loaded,) = plan.backward.graph.find_nodes(op="call_function", target=ops.RELOAD_WAIT)
     views = [
-        n for n in plan.backward.graph.nodes if n.op == "call_function" and n.args[:1] == (reload,)
+        n for n in plan.backward.graph.nodes if n.op == "call_function" and n.args[:1] == (loaded,)
     ]
     storages = set()
     for node in plan.backward.graph.nodes:
@@ -71,4 +71,4 @@ def test_storage_crosses_once_and_views_share_one_storage_after_reload():
         ):
             storages.add(value.untyped_storage().data_ptr())
     assert views
-    assert storages == {interpreter.env[reload].untyped_storage().data_ptr()}
+    assert storages == {interpreter.env[loaded].untyped_storage().data_ptr()}

@@ -1,0 +1,267 @@
+"""Tiny, randomly initialised models of the families people train, with their batches.
+
+Every entry builds its model from a fixed seed and gives, for steps 0..2, a batch whose
+batch size or sequence length changes, so a compiled run also compiles symbolic sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Batch = dict[str, torch.Tensor]
+
+VOCAB = 256
+SEQ_LENS = (16, 24, 20)
+IMAGE_BATCHES = (4, 4, 3)
+IMAGE_SIZE = 32
+CLASSES = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    make_model: Callable[[], nn.Module]
+    make_batch: Callable[[int], Batch]
+    loss: Callable[[nn.Module, Batch], torch.Tensor]
+
+    def model(self) -> nn.Module:
+        torch.manual_seed(0)
+        return self.make_model().train()
+
+
+def _generator(step: int) -> torch.Generator:
+    return torch.Generator().manual_seed(1000 + step)
+
+
+def _tokens(batch: int, seq: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, seq), generator=gen)
+
+
+def causal_lm_batch(step: int) -> Batch:
+    ids = _tokens(2, SEQ_LENS[step], _generator(step))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def masked_lm_batch(step: int) -> Batch:
+    gen = _generator(step)
+    ids = _tokens(2, SEQ_LENS[step], gen)
+    masked = torch.rand(ids.shape, generator=gen) < 0.25
+    masked[:, 0] = True
+    return {"input_ids": ids, "labels": torch.where(masked, ids, -100)}
+
+
+def seq2seq_batch(step: int) -> Batch:
+    gen = _generator(step)
+    ids = _tokens(2, SEQ_LENS[step], gen)
+    return {"input_ids": ids, "labels": _tokens(2, SEQ_LENS[step] // 2, gen)}
+
+
+def hf_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    return model(**batch).loss
+
+
+def _image_batch(step: int, channels_last: bool) -> Batch:
+    gen = _generator(step)
+    n = IMAGE_BATCHES[step]
+    pixels = torch.randn(n, 3, IMAGE_SIZE, IMAGE_SIZE, generator=gen)
+    if channels_last:
+        pixels = pixels.to(memory_format=torch.channels_last)
+    return {"pixels": pixels, "labels": torch.randint(0, CLASSES, (n,), generator=gen)}
+
+
+def image_batch(step: int) -> Batch:
+    return _image_batch(step, channels_last=False)
+
+
+def channels_last_image_batch(step: int) -> Batch:
+    return _image_batch(step, channels_last=True)
+
+
+def classifier_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    return F.cross_entropy(model(batch["pixels"]), batch["labels"])
+
+
+def _decoder_sizes() -> dict[str, object]:
+    return {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 64,
+        "attention_dropout": 0.0,
+        "attn_implementation": "sdpa",
+    }
+
+
+def llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(**_decoder_sizes(), num_key_value_heads=4))
+
+
+def qwen2_gqa() -> nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM(Qwen2Config(**_decoder_sizes(), num_key_value_heads=2))
+
+
+def mixtral() -> nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        **_decoder_sizes(),
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        router_jitter_noise=0.0,
+    )
+    return MixtralForCausalLM(config)
+
+
+def gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=64,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        attn_implementation="sdpa",
+    )
+    return GPT2LMHeadModel(config)
+
+
+def bert() -> nn.Module:
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        attn_implementation="sdpa",
+    )
+    return BertForMaskedLM(config)
+
+
+def t5() -> nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(
+        vocab_size=VOCAB,
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        dropout_rate=0.0,
+        pad_token_id=0,
+        decoder_start_token_id=0,
+        attn_implementation="eager",
+    )
+    return T5ForConditionalGeneration(config)
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, inputs: int, outputs: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(inputs, outputs, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(outputs)
+        self.conv2 = nn.Conv2d(outputs, outputs, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(outputs)
+        self.relu = nn.ReLU(inplace=True)
+        self.shortcut = nn.Identity()
+        if stride != 1 or inputs != outputs:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(inputs, outputs, 1, stride, bias=False), nn.BatchNorm2d(outputs)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.relu(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y))
+        return self.relu(y + self.shortcut(x))
+
+
+class ResNet(nn.Module):
+    """ResNet-18's layout (two basic blocks a stage) at small widths."""
+
+    def __init__(self, widths: tuple[int, ...] = (8, 16, 32, 64), depth: int = 2) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, widths[0], 7, 2, 3, bias=False),
+            nn.BatchNorm2d(widths[0]),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(3, 2, 1),
+        )
+        blocks = []
+        inputs = widths[0]
+        for i, width in enumerate(widths):
+            for j in range(depth):
+                blocks.append(BasicBlock(inputs, width, 2 if i > 0 and j == 0 else 1))
+                inputs = width
+        self.blocks = nn.Sequential(*blocks)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.head = nn.Linear(inputs, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.pool(self.blocks(self.stem(x))).flatten(1))
+
+
+def channels_last_resnet() -> nn.Module:
+    return ResNet().to(memory_format=torch.channels_last)
+
+
+class ViTBlock(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ln1(x)
+        x = x + self.attn(y, y, y, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class ViT(nn.Module):
+    def __init__(self, dim: int = 64, heads: int = 4, depth: int = 2, patch: int = 8) -> None:
+        super().__init__()
+        self.patches = nn.Conv2d(3, dim, patch, patch)
+        self.cls = nn.Parameter(torch.randn(1, 1, dim) * 0.02)
+        self.position = nn.Parameter(torch.randn(1, 1 + (IMAGE_SIZE // patch) ** 2, dim) * 0.02)
+        self.blocks = nn.Sequential(*(ViTBlock(dim, heads) for _ in range(depth)))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patches(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1) + self.position
+        return self.head(self.ln(self.blocks(x))[:, 0])
+
+
+ZOO: dict[str, Entry] = {
+    "llama": Entry(llama, causal_lm_batch, hf_loss),
+    "qwen2_gqa": Entry(qwen2_gqa, causal_lm_batch, hf_loss),
+    "gpt2": Entry(gpt2, causal_lm_batch, hf_loss),
+    "bert": Entry(bert, masked_lm_batch, hf_loss),
+    "t5": Entry(t5, seq2seq_batch, hf_loss),
+    "mixtral": Entry(mixtral, causal_lm_batch, hf_loss),
+    "resnet": Entry(channels_last_resnet, channels_last_image_batch, classifier_loss),
+    "vit": Entry(ViT, image_batch, classifier_loss),
+}
