@@ -33,6 +33,7 @@ from offload_pass.report import format_bytes
 _ALLOCATION = re.compile(r"\s*(buf\d+) = empty_strided_cpu\(\(([^)]*)\), \([^)]*\), torch\.(\w+)\)")
 _REUSE = re.compile(r"\s*(buf\d+) = (?:reinterpret_tensor\()?(buf\d+)\b.*; del \2\s+# reuse")
 _RELOAD = re.compile(r"\s*(buf\d+) = torch\.ops\.offload_pass\.reload\.default\((\w+),")
+_RELOAD_WAIT = re.compile(r"\s*(buf\d+) = torch\.ops\.offload_pass\.reload_wait\.default\((\w+),")
 _ALIAS = re.compile(r"\s*(buf\d+) = (buf\d+)$")
 _DELETE = re.compile(r"\bdel (\w+)")
 
@@ -56,7 +57,8 @@ def code_peak(
 ) -> tuple[int, str]:
     """The most the code holds at once: ``resident`` bytes, the ``saved`` inputs until the
     code deletes every alias of each storage, its own buffers, and what it reloads from
-    the ``host`` inputs (their bytes by name)."""
+    the ``host`` inputs (their bytes by name): held by the reload's ticket from the reload
+    on, then by what its reload_wait returns."""
     owner: dict[str, StorageWeakRef] = {}
     names: dict[StorageWeakRef, set[str]] = {}
     live: dict[object, int] = {}
@@ -68,7 +70,7 @@ def code_peak(
     total = peak = resident + sum(live.values())
     at = "start"
     for line in code.splitlines():
-        if reuse := _REUSE.match(line) or _ALIAS.match(line):
+        if reuse := _REUSE.match(line) or _ALIAS.match(line) or _RELOAD_WAIT.match(line):
             live[reuse.group(1)] = live.pop(reuse.group(2), 0)
             continue
         if reload := _RELOAD.match(line):

@@ -154,14 +154,16 @@ def test_code_peak_counts_reloads_on_the_device_and_host_buffers_nowhere():
 
     code = "\n".join(
         [
-            "        buf0 = torch.ops.offload_pass.reload.default(offload_default, device(type='cpu'), [buf9])",  # noqa: E501
-            "        del offload_default",  # a host buffer: nothing on the device
-            "        buf1 = buf0",
-            "        del buf0",  # buf1 still holds the reloaded tensor
-            "        buf2 = empty_strided_cpu((4, ), (1, ), torch.float32)",  # +16
-            "        del buf1",  # -128
+            "        buf0 = torch.ops.offload_pass.reload.default(offload_wait, device(type='cpu'), [buf9])",  # noqa: E501
+            "        buf1 = torch.ops.offload_pass.reload_wait.default(buf0, offload_wait, device(type='cpu'))",  # noqa: E501
+            "        del buf0",  # the ticket: the reloaded tensor is buf1's now
+            "        del offload_wait",  # a host buffer: nothing on the device
+            "        buf2 = buf1",
+            "        del buf1",  # buf2 still holds the reloaded tensor
+            "        buf3 = empty_strided_cpu((4, ), (1, ), torch.float32)",  # +16
+            "        del buf2",  # -128
         ]
     )
-    peak, at = code_peak(code, resident=10, saved={}, host={"offload_default": 128})
+    peak, at = code_peak(code, resident=10, saved={}, host={"offload_wait": 128})
     assert peak == 10 + 128 + 16
-    assert at.startswith("buf2 = empty_strided_cpu")
+    assert at.startswith("buf3 = empty_strided_cpu")

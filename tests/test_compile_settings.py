@@ -1,0 +1,121 @@
+"""The backend under the torch.compile settings real training jobs use: sizes that change
+from step to step, torch.compile's mode and options, compiled autograd."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch._dynamo import compiled_autograd
+
+import offload_pass
+from offload_pass import analysis
+from tests import models
+from tests.conftest import assert_same_step, compiled_pair, reference_backend, train_step
+
+SEQUENCE_LENGTHS = (16, 24, 20)
+BATCH_SIZES = (4, 4, 3)
+
+
+def _symbolic(plan: offload_pass.Plan) -> bool:
+    """Whether the plan's graphs were compiled with symbolic sizes."""
+    return any(
+        isinstance(n.meta.get("val"), torch.SymInt)
+        for n in plan.forward.graph.find_nodes(op="placeholder")
+    )
+
+
+def _train_on_sizes(compiler, dynamic, inputs, **options) -> offload_pass.OffloadBackend:
+    """Train on each input in turn, offloaded and not, and check every step's gradients."""
+    torch.manual_seed(0)
+    model = models.BlockStack()
+    reference = copy.deepcopy(model)
+    backend = offload_pass.backend(compiler=compiler, min_bytes=0, **options)
+    compiled = torch.compile(model, backend=backend, dynamic=dynamic)
+    expected = torch.compile(reference, backend=reference_backend(compiler), dynamic=dynamic)
+    for step, x in enumerate(inputs):
+        assert_same_step(train_step(compiled, x, seed=step), train_step(expected, x, seed=step))
+    return backend
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["dynamic_none", "dynamic_true"])
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+@pytest.mark.parametrize(
+    "options", [{"fraction": 1.0}, {"profile": "h200"}], ids=["fraction_1", "auto_h200"]
+)
+def test_sequence_lengths_that_change_train_like_the_unoffloaded_model(compiler, dynamic, options):
+    inputs = [torch.randn(2, length, 32) for length in SEQUENCE_LENGTHS]
+    backend = _train_on_sizes(compiler, dynamic, inputs, **options)
+    symbolic = [plan for plan in backend.plans if _symbolic(plan)]
+    assert symbolic, "the sizes never became symbolic"
+    for plan in symbolic:
+        assert plan.moved, "nothing moves under symbolic sizes"
+        assert not any(d.reason == analysis.NOT_REPLAYABLE for d in plan.decisions)
+        if "fraction" in options:
+            assert all(d.moved for d in plan.decisions if d.group.fixed_reason is None)
+
+
+def test_a_smaller_last_batch_trains_like_the_unoffloaded_model():
+    inputs = [torch.randn(size, 16, 32) for size in BATCH_SIZES]
+    backend = _train_on_sizes("inductor", None, inputs, fraction=0.5)
+    assert all(plan.moved for plan in backend.plans)
+
+
+def test_shapes_the_guards_treat_as_equal_share_one_plan():
+    inputs = [torch.randn(2, length, 32) for length in SEQUENCE_LENGTHS]
+    backend = _train_on_sizes("eager", True, inputs, fraction=1.0)
+    assert len(backend.plans) == 1
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"mode": "max-autotune-no-cudagraphs"},
+        {"options": {"epilogue_fusion": False}},
+    ],
+    ids=["mode", "options"],
+)
+@pytest.mark.parametrize("by_name", [False, True], ids=["backend_object", "backend_name"])
+def test_torch_compile_mode_and_options_reach_inductor(settings, by_name):
+    torch.manual_seed(0)
+    model = models.BlockStack()
+    reference = copy.deepcopy(model)
+    backend = offload_pass.default_backend if by_name else offload_pass.backend()
+    plans_before = len(backend.plans)
+    compiled = torch.compile(model, backend="offload" if by_name else backend, **settings)
+    expected = torch.compile(reference, **settings)
+    x = torch.randn(2, 16, 32)
+    assert_same_step(train_step(compiled, x), train_step(expected, x))
+    assert len(backend.plans) == plans_before + 1
+
+
+def test_an_unknown_inductor_option_is_named():
+    compiled = torch.compile(
+        models.MLP(), backend=offload_pass.backend(), options={"no_such_option": 1}
+    )
+    with pytest.raises(Exception, match="no_such_option"):
+        compiled(torch.randn(8, 64))
+
+
+def test_mode_with_the_eager_compiler_is_refused():
+    compiled = torch.compile(
+        models.MLP(), backend=offload_pass.backend(compiler="eager"), mode="max-autotune"
+    )
+    with pytest.raises(Exception, match="compiler='eager'"):
+        compiled(torch.randn(8, 64))
+
+
+@pytest.mark.parametrize("autograd_compiler", ["aot_eager", "inductor"])
+def test_compiled_autograd_trains_like_the_unoffloaded_model(autograd_compiler):
+    model, reference, backend = compiled_pair(models.BlockStack, "inductor", fraction=1.0)
+    x = torch.randn(2, 16, 32)
+    grads = []
+    for net, module in ((model, model._orig_mod), (reference, reference._orig_mod)):
+        loss = net(x).pow(2).mean()
+        with compiled_autograd._enable(torch.compile(backend=autograd_compiler)):
+            loss.backward()
+        grads.append({n: p.grad for n, p in module.named_parameters()})
+    assert backend.plans[0].moved
+    for name, grad in grads[0].items():
+        assert torch.equal(grad, grads[1][name]), name
