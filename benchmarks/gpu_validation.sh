@@ -1,21 +1,50 @@
 #!/usr/bin/env bash
-# Runs on a CUDA machine from the repository root: the side-by-side benchmark on W1 and W2
-# (22 minutes in run 17), first so that a session short of device time keeps it; the CUDA
-# tests; the main example; and what is alive at the measured peak of the W1 configurations
-# whose predicted peak is furthest off, and of W2's `auto` (in forward's last block since
-# the order stage, run 17).
-# Logs and results go to $OUT (or ./out).
+# Runs on a CUDA machine from the repository root. Steps, in this order:
+#   compare     the side-by-side benchmark on W1 and W2 (22 minutes in run 17)
+#   cuda-tests  every test marked cuda (stalled copy streams, the model zoo on CUDA, ...)
+#   zoo         only the model zoo's CUDA tests
+#   example     the main example
+#   breakdown   what is alive at the measured peak of W2's auto and three W1 configurations
+# With no argument every step but zoo runs (cuda-tests holds it); `--only STEP [STEP ...]`
+# runs those alone. Logs and results go to $OUT (or ./out); the exit status is pytest's.
 set -o pipefail
 out=${OUT:-out}
 mkdir -p "$out"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+steps=(compare cuda-tests example breakdown)
+if [[ ${1:-} == --only ]]; then
+    shift
+    steps=("$@")
+fi
+status=0
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" | tee "$out/env.log"
-python -m benchmarks.compare --out "$out" 2>&1 | tee "$out/compare.log"
-python -m pytest -q -p no:logging -m cuda -rs tests 2>&1 | tee "$out/pytest.log"
-status=$?
-python examples/train_gpt.py --steps 8 2>&1 | tee "$out/train_gpt_auto.log"
-python -m benchmarks.peak_breakdown --workload W2 --configs "offload_pass auto" 2>&1 \
-    | tee "$out/peak_breakdown.log"
-python -m benchmarks.peak_breakdown --workload W1 --configs "offload_pass fraction 1" \
-    "memory_budget 0.7" "offload_pass auto, recompute 0.7" 2>&1 | tee -a "$out/peak_breakdown.log"
+for step in "${steps[@]}"; do
+    case $step in
+    compare)
+        python -m benchmarks.compare --out "$out" 2>&1 | tee "$out/compare.log"
+        ;;
+    cuda-tests)
+        python -m pytest -q -p no:logging -p no:cacheprovider -m cuda -rs tests 2>&1 \
+            | tee "$out/pytest.log" || status=$?
+        ;;
+    zoo)
+        python -m pytest -q -p no:logging -p no:cacheprovider -m cuda -rs tests/test_zoo.py \
+            2>&1 | tee "$out/zoo.log" || status=$?
+        ;;
+    example)
+        python examples/train_gpt.py --steps 8 2>&1 | tee "$out/train_gpt_auto.log"
+        ;;
+    breakdown)
+        python -m benchmarks.peak_breakdown --workload W2 --configs "offload_pass auto" 2>&1 \
+            | tee "$out/peak_breakdown.log"
+        python -m benchmarks.peak_breakdown --workload W1 --configs "offload_pass fraction 1" \
+            "memory_budget 0.7" "offload_pass auto, recompute 0.7" 2>&1 \
+            | tee -a "$out/peak_breakdown.log"
+        ;;
+    *)
+        echo "unknown step $step (compare, cuda-tests, zoo, example, breakdown)" >&2
+        exit 2
+        ;;
+    esac
+done
 exit $status

@@ -59,6 +59,31 @@ def test_without_the_event_wait_the_stalled_race_corrupts(monkeypatch):
     assert not same
 
 
+def _reload_dropped_before_its_wait() -> torch.Tensor:
+    """A reload whose wait never runs (backward raised in between), then a fresh tensor
+    of the same size from the compute stream, filled while the copy is still stalled."""
+    h = torch.ones(64 * 2**20).pin_memory()  # 256 MiB
+    torch.cuda.synchronize()
+    _stall(runtime.copy_streams(torch.device("cuda")).host_to_device)
+    ticket = ops.reload(h, torch.device("cuda"), [])
+    del ticket
+    gc.collect()
+    fresh = torch.zeros(64 * 2**20, device="cuda")
+    torch.cuda.synchronize()
+    return fresh
+
+
+def test_an_unwaited_reload_keeps_its_buffer_until_the_copy_lands():
+    assert torch.count_nonzero(_reload_dropped_before_its_wait()) == 0
+
+
+def test_without_record_stream_an_unwaited_reload_overwrites_a_new_tensor(monkeypatch):
+    """The check above can fail: without the record, the allocator hands the buffer out
+    while the copy still writes it."""
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    assert torch.count_nonzero(_reload_dropped_before_its_wait()) > 0
+
+
 def _blocks(depth: int = 2, dim: int = 256, heads: int = 4) -> torch.nn.Module:
     torch.manual_seed(0)
     return models.BlockStack(dim=dim, heads=heads, depth=depth).cuda()
