@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import offload_pass
+from offload_pass.report import why_nothing_moved
 
 
 class Attention(nn.Module):
@@ -134,6 +135,10 @@ def main() -> None:
             f"step {step:3d}  loss {loss.item():.4f}  {elapsed_ms:8.1f} ms  "
             f"peak {peak}  offloaded {offloaded / 2**20:8.1f} MiB"
         )
+        if step == 1:
+            for plan in backend.plans:
+                if (reason := why_nothing_moved(plan)) is not None:
+                    print(reason)
     if args.show_plan:
         for plan in backend.plans:
             print(plan)

@@ -18,7 +18,7 @@ import tabulate
 import torch
 
 from offload_pass import _compat
-from offload_pass.report import format_bytes
+from offload_pass.units import format_bytes
 
 TORCH_DIR = os.path.dirname(torch.__file__)
 FREE = "free_requested"

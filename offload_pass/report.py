@@ -4,6 +4,7 @@ and for a whole model."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 
 import tabulate
@@ -11,22 +12,10 @@ import torch.fx
 
 from offload_pass import analysis, planner
 from offload_pass.plan import Plan
+from offload_pass.units import format_bytes, format_seconds
 
-HEADERS = ("name", "module", "op", "shape", "dtype", "size", "decision", "reason", "copy", "hidden")
-
-
-def format_bytes(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if abs(nbytes) < 1024:
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    return f"{nbytes:.2f} GiB"
-
-
-def format_seconds(seconds: float) -> str:
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.2f} ms"
-    return f"{seconds * 1e6:.1f} us"
+HEADERS = ("name", "module", "op", "shape", "dtype", "size", "decision", "copy", "hidden")
+OP_WIDTH = 32
 
 
 REASONS: dict[str, str] = {
@@ -68,8 +57,7 @@ class Row:
             self.shape,
             self.dtype,
             format_bytes(self.nbytes),
-            "moved" if self.moved else "kept",
-            self.reason,
+            self.reason if self.moved else f"kept: {self.reason}",
             "" if self.copy_seconds is None else format_seconds(self.copy_seconds),
             "" if self.hidden_share is None else f"{self.hidden_share:.0%}",
         )
@@ -103,6 +91,22 @@ def _reason(d: planner.Decision) -> str:
     return d.reason
 
 
+def why_nothing_moved(plan: Plan) -> str | None:
+    """A sentence saying why a plan moved nothing, where one reason explains it all."""
+    if plan.moved:
+        return None
+    if all(d.group.fixed_reason is not None for d in plan.decisions):
+        return f"{plan.chunk}: no saved activation can move (each row says why)"
+    auto = any(d.reason == planner.WOULD_NOT_HIDE for d in plan.decisions)
+    if auto and not plan.profile.copies_overlap_compute:
+        return (
+            f"{plan.chunk}: auto moves nothing with the {plan.profile.name!r} profile: its "
+            "copies run on the compute thread, so none can hide under compute (pass "
+            "fraction= or memory_budget= to move activations anyway)"
+        )
+    return None
+
+
 def summary(plan: Plan) -> str:
     p = plan.prediction
     lines = [
@@ -117,6 +121,8 @@ def summary(plan: Plan) -> str:
         shortfall = plan.planned.budget_shortfall
         met = "met" if not shortfall else f"missed by {format_bytes(shortfall)}"
         lines.append(f"memory budget {format_bytes(plan.planned.budget_bytes)}: {met}")
+    if (reason := why_nothing_moved(plan)) is not None:
+        lines.append(reason)
     if plan.planned.overlap_depth != planner.OVERLAP_DEPTH:
         lines.append(
             f"copies that cannot keep up run at most {plan.planned.overlap_depth} ahead of "
@@ -125,11 +131,31 @@ def summary(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def format_plan(plan: Plan) -> str:
-    table = tabulate.tabulate(
-        [r.cells() for r in plan_rows(plan)], headers=HEADERS, disable_numparse=True
+def short_op(op: str) -> str:
+    """``aten.mm.default`` as ``mm``, ``aten.max_pool2d_with_indices.default[1]`` as
+    ``max_pool2d_with_indices[1]``; a name longer than ``OP_WIDTH`` loses its middle."""
+    op = re.sub(r"\.default\b", "", op.removeprefix("aten."))
+    if len(op) <= OP_WIDTH:
+        return op
+    half = (OP_WIDTH - 1) // 2
+    return f"{op[:half]}~{op[-(OP_WIDTH - 1 - half):]}"
+
+
+def _inputs_line(rows: Sequence[Row]) -> str:
+    return (
+        f"kept: {len(rows)} graph inputs (parameters, buffers, the batch) that backward reads, "
+        f"{format_bytes(sum(r.nbytes for r in rows))}"
     )
-    return f"{summary(plan)}\n{table}"
+
+
+def format_plan(plan: Plan) -> str:
+    """The summary, one line for the graph inputs backward reads, then a row per saved
+    storage the chunk makes."""
+    rows = plan_rows(plan)
+    inputs = [r for r in rows if r.reason == analysis.INPUT_ALIAS]
+    made = [dataclasses.replace(r, op=short_op(r.op)) for r in rows if r not in inputs]
+    table = tabulate.tabulate([r.cells() for r in made], headers=HEADERS, disable_numparse=True)
+    return "\n".join([summary(plan), *([_inputs_line(inputs)] if inputs else []), table])
 
 
 def format_model(plans: Sequence[Plan]) -> str:

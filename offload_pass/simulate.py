@@ -16,6 +16,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from offload_pass.costs import ChunkCosts
+from offload_pass.units import format_bytes, format_seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +68,9 @@ class Prediction:
     peak_bytes: int
     baseline_seconds: float
     baseline_peak_bytes: int
-    copies: tuple[CopyPrediction, ...]
-    forward_starts: tuple[float, ...] = ()
-    backward_starts: tuple[float, ...] = ()
+    copies: tuple[CopyPrediction, ...] = dataclasses.field(repr=False)
+    forward_starts: tuple[float, ...] = dataclasses.field(default=(), repr=False)
+    backward_starts: tuple[float, ...] = dataclasses.field(default=(), repr=False)
 
     @property
     def step_seconds(self) -> float:
@@ -78,6 +79,15 @@ class Prediction:
     @property
     def peak_saved_bytes(self) -> int:
         return self.baseline_peak_bytes - self.peak_bytes
+
+    def __str__(self) -> str:
+        moved = sum(c.nbytes for c in self.copies)
+        return (
+            f"step {format_seconds(self.baseline_seconds)} -> "
+            f"{format_seconds(self.step_seconds)} (stall {format_seconds(self.stall_seconds)}), "
+            f"peak {format_bytes(self.baseline_peak_bytes)} -> {format_bytes(self.peak_bytes)}, "
+            f"{len(self.copies)} storages moved ({format_bytes(moved)})"
+        )
 
 
 @dataclasses.dataclass

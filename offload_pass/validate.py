@@ -10,7 +10,7 @@ import tabulate
 import torch
 
 from offload_pass.plan import Plan
-from offload_pass.report import format_bytes, format_seconds
+from offload_pass.units import format_bytes, format_seconds
 
 
 @dataclasses.dataclass(frozen=True)
