@@ -119,3 +119,27 @@ def test_timeline_plot_draws_a_dumped_trace(tmp_path, explained):
     trace.write_text(json.dumps(predicted_trace(explained.plans[0])))
     plot_timeline(trace, tmp_path / "timeline.png")
     assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_prediction_prints_as_one_short_line(explained):
+    text = str(explained.plans[0].prediction)
+    assert "\n" not in text and len(text) < 160
+    assert "step" in text and "peak" in text and "stall" in text
+    assert len(repr(explained.plans[0].prediction)) < 400
+
+
+def test_plan_table_sums_up_the_inputs_and_fits_160_columns(explained):
+    text = str(explained.plans[0])
+    assert max(len(line) for line in text.splitlines()) <= 160
+    assert "placeholder" not in text
+    assert "graph inputs (parameters, buffers, the batch)" in text
+
+
+def test_auto_on_the_cpu_says_why_nothing_moves():
+    model = models.BlockStack(dim=64, heads=4, depth=2)
+    explained = offload_pass.explain(model, torch.randn(2, 64, 64), profile="cpu", min_bytes=0)
+    (plan,) = explained.plans
+    assert not plan.moved
+    reason = report.why_nothing_moved(plan)
+    assert reason is not None and "'cpu' profile" in reason
+    assert reason in str(plan)
