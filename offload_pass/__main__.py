@@ -79,7 +79,12 @@ def backend_options(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     options = backend_options(args)
-    model, inputs = load_factory(args.factory)()
+    made = load_factory(args.factory)()
+    if not (isinstance(made, tuple) and len(made) == 2):
+        raise SystemExit(
+            f"{args.factory} must return (model, example_inputs), got {type(made).__name__}"
+        )
+    model, inputs = made
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
     report = explain(model, *inputs, **options)
     print(report)

@@ -130,6 +130,8 @@ def _check_dump_dir(folder: object) -> str | None:
         return None
     if not isinstance(folder, (str, os.PathLike)):
         raise TypeError(f"dump_dir must be a path, got {folder!r}")
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ValueError(f"dump_dir must be a folder; {os.fspath(folder)!r} is a file")
     return os.fspath(folder)
 
 

@@ -72,6 +72,8 @@ CALIBRATE = "calibrate"
 def check_profile_spec(spec: object) -> DeviceProfile | str | None:
     if spec is None or isinstance(spec, DeviceProfile):
         return spec
+    if spec == CALIBRATE and not torch.cuda.is_available():
+        raise ValueError("profile='calibrate' measures a CUDA device, and none is available")
     if spec == CALIBRATE or spec in BUILT_IN:
         return spec  # type: ignore[return-value]
     choices = ", ".join(repr(k) for k in (*BUILT_IN, CALIBRATE))

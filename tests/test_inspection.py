@@ -111,6 +111,15 @@ def test_cli_rejects_a_malformed_factory():
         cli.main(["explain", "examples/inspect_plan.py"])
 
 
+def bare_model() -> torch.nn.Module:
+    return models.MLP()
+
+
+def test_cli_rejects_a_factory_that_returns_a_bare_model():
+    with pytest.raises(SystemExit, match=r"must return \(model, example_inputs\), got MLP"):
+        cli.main(["explain", "tests/test_inspection.py:bare_model"])
+
+
 def test_timeline_plot_draws_a_dumped_trace(tmp_path, explained):
     pytest.importorskip("matplotlib")
     from benchmarks.plot_timeline import plot_timeline

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import offload_pass
+from offload_pass.profiles import profile_for
 from tests import models
 from tests.conftest import train_step
 
@@ -126,15 +127,27 @@ def test_unknown_profile_names_the_choices():
         offload_pass.backend(profile="h300")
 
 
-def test_calibration_on_a_cpu_graph_says_it_needs_cuda():
-    model = torch.compile(models.MLP(), backend=offload_pass.backend(profile="calibrate"))
-    with pytest.raises(Exception, match="calibrate.*CUDA"):
-        model(torch.randn(8, 64, requires_grad=True))
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device can be calibrated")
+def test_calibration_without_cuda_is_refused_by_backend():
+    with pytest.raises(ValueError, match="calibrate.*CUDA"):
+        offload_pass.backend(profile="calibrate")
+
+
+def test_calibration_of_a_cpu_graph_says_it_needs_cuda():
+    with pytest.raises(ValueError, match="calibrate.*CUDA.*graph is on cpu"):
+        profile_for("calibrate", torch.device("cpu"))
 
 
 def test_dump_dir_must_be_a_path():
     with pytest.raises(TypeError, match="dump_dir"):
         offload_pass.backend(dump_dir=3)
+
+
+def test_dump_dir_must_not_be_a_file(tmp_path):
+    file = tmp_path / "report.txt"
+    file.write_text("")
+    with pytest.raises(ValueError, match="dump_dir must be a folder"):
+        offload_pass.backend(dump_dir=file)
 
 
 def test_mode_follows_the_options():
