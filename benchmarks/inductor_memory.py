@@ -28,7 +28,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import offload_pass
 from benchmarks import workloads
 from offload_pass import _compat, ops
-from offload_pass.report import format_bytes
+from offload_pass.units import format_bytes
 
 _ALLOCATION = re.compile(r"\s*(buf\d+) = empty_strided_cpu\(\(([^)]*)\), \([^)]*\), torch\.(\w+)\)")
 _REUSE = re.compile(r"\s*(buf\d+) = (?:reinterpret_tensor\()?(buf\d+)\b.*; del \2\s+# reuse")

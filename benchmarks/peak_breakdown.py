@@ -13,7 +13,7 @@ import torch
 
 from benchmarks import configs, workloads
 from offload_pass.peak import peak_breakdown
-from offload_pass.report import format_bytes
+from offload_pass.units import format_bytes
 
 WARM_UP_STEPS = 2
 
