@@ -37,23 +37,34 @@ def _add_node(
     return node
 
 
+def _is_token(node: torch.fx.Node) -> bool:
+    """Whether ``node`` can order a transfer op: a tensor the compiled code writes to
+    memory whether or not the op reads it. A value copied into a graph input does not
+    qualify: it is an input's update (a batch norm's running mean), which Inductor writes
+    in place into the input, and a read of it would make Inductor write it out a second
+    time (on CUDA, Triton then failed to compile the batch norm kernels of a ResNet)."""
+    return (
+        node.target not in ops.TICKETS
+        and isinstance(node.meta.get("val"), torch.Tensor)
+        and materializes(node)
+        and not any(u.target is torch.ops.aten.copy_.default for u in node.users)
+    )
+
+
 def _token_before(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """The latest tensor written to memory at or before ``node``, as an ordering token
-    (none if only graph inputs come before). A fused intermediate would be written out
-    just to serve as the token."""
+    """The latest token at or before ``node`` (none if only graph inputs come before)."""
     while node.op not in ("placeholder", "root"):
-        transfer = node.target in ops.TICKETS
-        if not transfer and isinstance(node.meta.get("val"), torch.Tensor) and materializes(node):
+        if _is_token(node):
             return [node]
         node = node.prev
     return []
 
 
 def _as_tensor(node: torch.fx.Node) -> torch.fx.Node | None:
-    """``node``, or for an op returning several tensors the first one taken from it."""
-    if isinstance(node.meta.get("val"), torch.Tensor):
+    """``node`` as a token, or for an op returning several tensors one taken from it."""
+    if _is_token(node):
         return node
-    return next((u for u in node.users if isinstance(u.meta.get("val"), torch.Tensor)), None)
+    return next((u for u in node.users if _is_token(u)), None)
 
 
 def _wait_tokens(
