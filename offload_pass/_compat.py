@@ -21,12 +21,15 @@ PartitionFn = Callable[..., tuple[torch.fx.GraphModule, torch.fx.GraphModule]]
 PartitionerBase = CustomPartitionerFn
 
 
-def exact_strides_tags(tag_namespace: Any = torch.Tag) -> tuple[torch.Tag, ...]:
-    """Tags that make Inductor hand a custom op its inputs with their traced strides."""
-    for name in ("needs_exact_strides", "needs_fixed_stride_order"):
-        if hasattr(tag_namespace, name):
-            return (getattr(tag_namespace, name),)
-    return ()
+def flexible_layout_tags(tag_namespace: Any = torch.Tag) -> tuple[torch.Tag, ...]:
+    """Tags that let Inductor hand a custom op its inputs in whatever layout they have.
+
+    Without one, Inductor constrains a custom op's inputs to their traced strides: it
+    fixed the layout of the kernels producing them, or copied them, and on a ResNet on
+    CUDA the batch norm kernels it then generated failed to compile in Triton. The
+    transfer ops copy any layout, and their ordering inputs are only read for order.
+    """
+    return (tag_namespace.flexible_layout,) if hasattr(tag_namespace, "flexible_layout") else ()
 
 
 def fusible_tags(tag_namespace: Any = torch.Tag) -> tuple[torch.Tag, ...]:

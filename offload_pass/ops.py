@@ -20,10 +20,12 @@ import torch
 import torch.fx
 from torch import Tensor
 
-from offload_pass import runtime
+from offload_pass import _compat, runtime
+
+_LAYOUT_TAGS = _compat.flexible_layout_tags()
 
 
-@torch.library.custom_op("offload_pass::offload", mutates_args=())
+@torch.library.custom_op("offload_pass::offload", mutates_args=(), tags=_LAYOUT_TAGS)
 def offload(a: Tensor, layout: Sequence[int]) -> Tensor:
     """Start copying ``a`` into a host buffer whose dimensions are laid out, outermost
     first, in the order ``layout`` gives.
@@ -39,7 +41,7 @@ def _offload_fake(a: Tensor, layout: Sequence[int]) -> Tensor:
     return runtime.new_ticket_like()
 
 
-@torch.library.custom_op("offload_pass::offload_wait", mutates_args=())
+@torch.library.custom_op("offload_pass::offload_wait", mutates_args=(), tags=_LAYOUT_TAGS)
 def offload_wait(
     ticket: Tensor, a: Tensor, layout: Sequence[int], after: Sequence[Tensor]
 ) -> Tensor:
@@ -54,7 +56,7 @@ def _offload_wait_fake(
     return torch.empty_permuted(a.shape, layout, dtype=a.dtype, device="cpu")
 
 
-@torch.library.custom_op("offload_pass::reload", mutates_args=())
+@torch.library.custom_op("offload_pass::reload", mutates_args=(), tags=_LAYOUT_TAGS)
 def reload(h: Tensor, device: torch.device, after: Sequence[Tensor]) -> Tensor:
     """Start copying ``h`` back to ``device``."""
     return runtime.reload(h, device)
@@ -65,7 +67,7 @@ def _reload_fake(h: Tensor, device: torch.device, after: Sequence[Tensor]) -> Te
     return runtime.new_ticket_like()
 
 
-@torch.library.custom_op("offload_pass::reload_wait", mutates_args=())
+@torch.library.custom_op("offload_pass::reload_wait", mutates_args=(), tags=_LAYOUT_TAGS)
 def reload_wait(ticket: Tensor, h: Tensor, device: torch.device) -> Tensor:
     """Make the compute stream wait until the reload of ``h`` has landed, and return it."""
     return runtime.reload_wait(ticket)

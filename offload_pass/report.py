@@ -138,7 +138,7 @@ def short_op(op: str) -> str:
     if len(op) <= OP_WIDTH:
         return op
     half = (OP_WIDTH - 1) // 2
-    return f"{op[:half]}~{op[-(OP_WIDTH - 1 - half):]}"
+    return f"{op[:half]}~{op[-(OP_WIDTH - 1 - half) :]}"
 
 
 def _inputs_line(rows: Sequence[Row]) -> str:

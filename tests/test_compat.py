@@ -10,17 +10,18 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from offload_pass import _compat
 
 
-def test_exact_strides_tag_when_torch_has_it():
-    assert _compat.exact_strides_tags() == (torch.Tag.needs_exact_strides,)
+def test_flexible_layout_tag_when_torch_has_it():
+    assert _compat.flexible_layout_tags() == (torch.Tag.flexible_layout,)
 
 
-def test_fixed_stride_order_tag_on_older_torch():
-    older = types.SimpleNamespace(needs_fixed_stride_order="fixed")
-    assert _compat.exact_strides_tags(older) == ("fixed",)
+def test_no_layout_tag_on_a_torch_without_flexible_layout():
+    assert _compat.flexible_layout_tags(types.SimpleNamespace()) == ()
 
 
-def test_no_layout_tag_when_torch_has_none():
-    assert _compat.exact_strides_tags(types.SimpleNamespace()) == ()
+def test_every_transfer_op_takes_its_inputs_in_any_layout():
+    from offload_pass import ops
+
+    assert all(torch.Tag.flexible_layout in op.tags for op in ops.TRANSFERS)
 
 
 def test_module_paths_in_both_source_spellings():
