@@ -24,10 +24,9 @@ PartitionerBase = CustomPartitionerFn
 def flexible_layout_tags(tag_namespace: Any = torch.Tag) -> tuple[torch.Tag, ...]:
     """Tags that let Inductor hand a custom op its inputs in whatever layout they have.
 
-    Without one, Inductor constrains a custom op's inputs to their traced strides: it
-    fixed the layout of the kernels producing them, or copied them, and on a ResNet on
-    CUDA the batch norm kernels it then generated failed to compile in Triton. The
-    transfer ops copy any layout, and their ordering inputs are only read for order.
+    Without one, Inductor constrains a custom op's inputs to their traced strides, fixing
+    the layout of the kernels that produce them or copying them. The transfer ops copy
+    from any layout, and their ordering inputs are only there for order.
     """
     return (tag_namespace.flexible_layout,) if hasattr(tag_namespace, "flexible_layout") else ()
 

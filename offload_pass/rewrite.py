@@ -41,8 +41,8 @@ def _is_token(node: torch.fx.Node) -> bool:
     """Whether ``node`` can order a transfer op: a tensor the compiled code writes to
     memory whether or not the op reads it. A value copied into a graph input does not
     qualify: it is an input's update (a batch norm's running mean), which Inductor writes
-    in place into the input, and a read of it would make Inductor write it out a second
-    time (on CUDA, Triton then failed to compile the batch norm kernels of a ResNet)."""
+    in place into the input, and a read of it made Inductor write it out a second time
+    (a ResNet's batch norm kernels on CUDA stored each running mean twice)."""
     return (
         node.target not in ops.TICKETS
         and isinstance(node.meta.get("val"), torch.Tensor)
