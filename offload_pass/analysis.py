@@ -126,7 +126,11 @@ _FUSIBLE_TAGS = frozenset(_compat.fusible_tags())
 
 
 def is_fusible(node: torch.fx.Node) -> bool:
+    """A pointwise op or reduction, or one result of one (``var_mean``'s variance, say):
+    Inductor computes it inside the kernels that read it."""
     target = node.target
+    if target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+        return is_fusible(node.args[0])
     return isinstance(target, torch._ops.OpOverload) and not _FUSIBLE_TAGS.isdisjoint(target.tags)
 
 
