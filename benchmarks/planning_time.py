@@ -18,11 +18,13 @@ import torch
 
 from benchmarks import workloads
 from offload_pass import _compat
-from offload_pass.analysis import ChunkGraphs, find_saved_groups
+from offload_pass.analysis import find_saved_groups
 from offload_pass.costs import estimate_costs
-from offload_pass.options import FractionRule, OffloadOptions
+from offload_pass.driver import request_for
+from offload_pass.graphs import ChunkGraphs
+from offload_pass.options import OffloadOptions
 from offload_pass.order import free_memory_early, resident_inputs
-from offload_pass.planner import Request, plan_offloads
+from offload_pass.planner import plan_offloads
 from offload_pass.profiles import BUILT_IN
 
 
@@ -55,21 +57,14 @@ def plan_seconds(chunk: ChunkGraphs, options: OffloadOptions) -> float:
     start = time.perf_counter()
     groups = find_saved_groups(chunk)
     costs = estimate_costs(chunk, BUILT_IN["h200"])
-    rule = FractionRule.current(options)
-    request = Request(
-        {g.root: rule.resolve(g.module_stack) for g in groups},
-        options.min_bytes,
-        options.stall_tolerance,
-        options.memory_budget,
-    )
-    plan_offloads(groups, costs, request)
+    plan_offloads(groups, costs, request_for(groups, options))
     return time.perf_counter() - start
 
 
 MODES = {
-    "auto": OffloadOptions.create(min_bytes=0),
-    "fraction 0.5": OffloadOptions.create(fraction=0.5, min_bytes=0),
-    "budget 0.7": OffloadOptions.create(memory_budget=0.7, min_bytes=0),
+    "auto": OffloadOptions(min_bytes=0),
+    "fraction 0.5": OffloadOptions(fraction=0.5, min_bytes=0),
+    "budget 0.7": OffloadOptions(memory_budget=0.7, min_bytes=0),
 }
 
 

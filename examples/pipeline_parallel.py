@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed import pipelining
 
 import offload_pass
-from offload_pass.pipeline import in_flight_microbatches
+from offload_pass.pipeline_parallel import in_flight_microbatches
 
 SCHEDULES = {
     "1f1b": (pipelining.Schedule1F1B, 1),

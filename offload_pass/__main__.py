@@ -70,7 +70,7 @@ def backend_options(args: argparse.Namespace) -> dict[str, Any]:
         "dump_dir": args.dump,
     }
     try:
-        OffloadOptions.create(**options)
+        OffloadOptions(**options)
     except (TypeError, ValueError) as error:
         raise SystemExit(f"python -m offload_pass {args.command}: {error}") from error
     return options

@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Iterator
 
 import torch
 import torch.fx
 
 from offload_pass import _compat
+from offload_pass.graphs import (
+    ChunkGraphs,
+    aliases,
+    kernels_reading,
+    storage_root,
+    view_chain,
+)
 from offload_pass.layout import is_dense
 from offload_pass.symbolic import SymbolSources
 
@@ -55,101 +61,10 @@ class SavedGroup:
         return self.module_stack[-1][0] if self.module_stack else ""
 
 
-@dataclasses.dataclass(frozen=True)
-class ChunkGraphs:
-    forward: torch.fx.GraphModule
-    backward: torch.fx.GraphModule
-    num_forward_outputs: int
-
-    def saved_values(self) -> list[torch.fx.Node]:
-        outputs = self.forward.graph.output_node().args[0]
-        return list(outputs[self.num_forward_outputs :])
-
-    def device(self) -> torch.device:
-        """The first accelerator any forward input lives on, else the CPU."""
-        for node in self.forward.graph.find_nodes(op="placeholder"):
-            value = node.meta.get("val")
-            if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-                return value.device
-        return torch.device("cpu")
-
-    def user_outputs(self) -> list[torch.fx.Node]:
-        outputs = self.forward.graph.output_node().args[0]
-        return [n for n in outputs[: self.num_forward_outputs] if isinstance(n, torch.fx.Node)]
-
-
-def is_view(node: torch.fx.Node) -> bool:
-    """An op whose result aliases its first input: a view op, or one element of a
-    multi-output view op such as ``unbind``."""
-    target = node.target
-    if node.op != "call_function" or not isinstance(node.args[0], torch.fx.Node):
-        return False
-    if target is operator.getitem:
-        return is_view(node.args[0])
-    if not isinstance(target, torch._ops.OpOverload):
-        return False
-    returns = target._schema.returns
-    alias = returns[0].alias_info if len(returns) == 1 else None
-    return alias is not None and not alias.is_write
-
-
-def storage_root(node: torch.fx.Node) -> torch.fx.Node:
-    while is_view(node):
-        node = node.args[0]
-    return node
-
-
-def view_chain(node: torch.fx.Node) -> tuple[torch.fx.Node, ...]:
-    """The view ops from ``node``'s storage root down to ``node``, root side first."""
-    chain = []
-    while is_view(node):
-        chain.append(node)
-        node = node.args[0]
-    return tuple(reversed(chain))
-
-
 def is_replayable(chain: tuple[torch.fx.Node, ...], sources: SymbolSources) -> bool:
     """Each view takes constants besides its input, or sizes backward can compute, so
     backward can apply it again."""
     return all(sources.can_derive((node.args[1:], node.kwargs)) for node in chain)
-
-
-def aliases(root: torch.fx.Node) -> Iterator[torch.fx.Node]:
-    pending = [root]
-    while pending:
-        node = pending.pop()
-        yield node
-        pending.extend(user for user in node.users if is_view(user) and user.args[0] is node)
-
-
-_FUSIBLE_TAGS = frozenset(_compat.fusible_tags())
-
-
-def is_fusible(node: torch.fx.Node) -> bool:
-    """A pointwise op or reduction, or one result of one (``var_mean``'s variance, say):
-    Inductor computes it inside the kernels that read it."""
-    target = node.target
-    if target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
-        return is_fusible(node.args[0])
-    return isinstance(target, torch._ops.OpOverload) and not _FUSIBLE_TAGS.isdisjoint(target.tags)
-
-
-def _consumers(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """The nodes reading ``node``'s values, looking through views."""
-    found = []
-    for user in node.users:
-        found.extend(_consumers(user) if is_view(user) and user.args[0] is node else [user])
-    return found
-
-
-def materializes(node: torch.fx.Node) -> bool:
-    """Whether the node's result is written to memory: it is not fusible, or something
-    that cannot fuse reads it."""
-    if node.op == "placeholder":
-        return True
-    if node.op != "call_function" or is_view(node):
-        return False
-    return not is_fusible(node) or not all(is_fusible(c) for c in _consumers(node))
 
 
 def _fixed_reason(
@@ -187,20 +102,6 @@ def _op_name(node: torch.fx.Node) -> str:
     if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
         return f"{_op_name(node.args[0])}[{node.args[1]}]"
     return str(node.target)
-
-
-def kernels_reading(
-    node: torch.fx.Node, known: dict[torch.fx.Node, frozenset[torch.fx.Node]]
-) -> frozenset[torch.fx.Node]:
-    """Where a node's work really happens: the node itself if its result is written to
-    memory, else every such node it feeds (a fused node is computed again inside each
-    kernel that reads it)."""
-    if node not in known:
-        if materializes(node) or node.op == "output":
-            known[node] = frozenset((node,))
-        else:
-            known[node] = frozenset(k for c in _consumers(node) for k in kernels_reading(c, known))
-    return known[node]
 
 
 def _forward_readers(

@@ -101,23 +101,23 @@ def backend(
         dump_dir: a folder to write each chunk's report, rewritten graphs and predicted
             trace into (``$OFFLOAD_PASS_DUMP`` when not given).
         in_flight_microbatches: how many microbatches' activations a pipeline stage holds
-            at once (its warm-up depth; see :mod:`offload_pass.pipeline`); the predicted
-            peak and ``memory_budget`` count that many.
+            at once (its warm-up depth; see :mod:`offload_pass.pipeline_parallel`); the
+            predicted peak and ``memory_budget`` count that many.
         recompute_budget: torch's ``activation_memory_budget`` for these graphs, in
             (0, 1]: the stock partitioner first recomputes what is cheapest to recompute
             until the saved activations fit that share, and offload_pass plans what is
             left. None keeps ``torch._functorch.config.activation_memory_budget``.
     """
-    options = OffloadOptions.create(
-        fraction,
-        memory_budget,
-        stall_tolerance,
-        profile,
-        min_bytes,
-        compiler,
-        dump_dir,
-        in_flight_microbatches,
-        recompute_budget,
+    options = OffloadOptions(
+        fraction=fraction,
+        memory_budget=memory_budget,
+        stall_tolerance=stall_tolerance,
+        profile=profile,
+        min_bytes=min_bytes,
+        compiler=compiler,  # type: ignore[arg-type]
+        dump_dir=dump_dir,
+        in_flight_microbatches=in_flight_microbatches,
+        recompute_budget=recompute_budget,
     )
     return OffloadBackend(options)
 

@@ -1,6 +1,7 @@
 """Measure a CUDA device's copy bandwidths, matrix rates and memory bandwidth, once per
 process and device; or, with every local rank copying at once, the copy bandwidths each
-rank of a host actually gets (``calibrate_shared``)."""
+rank of a host actually gets (``calibrate_shared``). ``profile_for`` picks the profile a
+chunk is planned with, measuring the device where no built-in one fits."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from offload_pass.profiles import DeviceProfile, built_in_for_name
+from offload_pass.profiles import BUILT_IN, CALIBRATE, DeviceProfile, built_in_for_name
 
 COPY_BYTES = 256 * 2**20
 MATMUL_SIZE = 8192
@@ -152,3 +153,29 @@ def calibrate_unknown(device_index: int) -> DeviceProfile:
         stacklevel=2,
     )
     return calibrate(device_index)
+
+
+def profile_for(spec: DeviceProfile | str | None, device: torch.device) -> DeviceProfile:
+    """The profile a chunk on ``device`` is planned with.
+
+    ``None`` picks from the device: the CPU profile, the built-in one whose name the CUDA
+    device carries, or, for an unknown CUDA device, a calibration (with a warning).
+    """
+    if isinstance(spec, DeviceProfile):
+        return spec
+    if spec in BUILT_IN:
+        return BUILT_IN[spec]
+    if spec == CALIBRATE:
+        if device.type != "cuda":
+            raise ValueError(
+                f"profile='calibrate' measures a CUDA device; the graph is on {device}"
+            )
+        return calibrate(_index(device))
+    if device.type != "cuda":
+        return BUILT_IN["cpu"]
+    known = built_in_for_name(torch.cuda.get_device_name(device))
+    return known if known is not None else calibrate_unknown(_index(device))
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()

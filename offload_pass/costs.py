@@ -20,12 +20,14 @@ import torch
 import torch.fx
 
 from offload_pass import _compat
-from offload_pass.analysis import (
+from offload_pass.graphs import (
     ChunkGraphs,
     is_view,
     kernels_reading,
     materializes,
     storage_root,
+    tensor_bytes,
+    tensor_values,
 )
 from offload_pass.profiles import DeviceProfile
 
@@ -57,12 +59,6 @@ class ChunkCosts:
         return nbytes / self.profile.host_to_device
 
 
-def tensor_bytes(value: object) -> int:
-    if not isinstance(value, torch.Tensor):
-        return 0
-    return (_compat.concrete_int(value.numel()) or 0) * value.element_size()
-
-
 def node_seconds(node: torch.fx.Node, profile: DeviceProfile) -> float:
     if node.op != "call_function" or node.target is operator.getitem or is_view(node):
         return 0.0
@@ -74,11 +70,6 @@ def node_seconds(node: torch.fx.Node, profile: DeviceProfile) -> float:
     flops = _compat.flop_count(node)
     dtype = next((v.dtype for v in tensor_values(value)), torch.float32)
     return max(flops / profile.matrix_rate(dtype), traffic / profile.memory_bandwidth)
-
-
-def tensor_values(value: object) -> list[torch.Tensor]:
-    values = value if isinstance(value, (tuple, list)) else (value,)
-    return [v for v in values if isinstance(v, torch.Tensor)]
 
 
 def estimate_costs(chunk: ChunkGraphs, profile: DeviceProfile) -> ChunkCosts:

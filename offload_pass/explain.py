@@ -57,6 +57,6 @@ def explain(model: torch.nn.Module, *example_inputs: Any, **backend_options: Any
     them. Inputs on the CPU plan for the device ``profile`` names (``"h200"``, say), so a
     model meant for a GPU can be planned before one is at hand.
     """
-    backend = OffloadBackend(OffloadOptions.create(**backend_options))
+    backend = OffloadBackend(OffloadOptions(**backend_options))
     torch.compile(model, backend=_PlanOnly(backend))(*example_inputs)
     return ModelReport(tuple(backend.plans))

@@ -27,9 +27,14 @@ def check_fraction(value: object, what: str = "fraction") -> float:
     return float(value)
 
 
+Fractions = float | Mapping[str, float] | tuple[tuple[str, float], ...] | None
+"""A share for every module, or shares by module-path pattern (a mapping, kept as pairs)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class OffloadOptions:
-    """What the user asked for, validated.
+    """What the user asked for, checked when made (see :func:`offload_pass.backend` for
+    each option's meaning).
 
     The planner mode: ``fraction`` (one share for every module, or a mapping from
     module-path patterns in ``fnmatch`` syntax such as ``"blocks.*.attn"`` to shares),
@@ -39,64 +44,60 @@ class OffloadOptions:
     pattern covers moves nothing (list ``"*"`` first to give the rest a share).
     """
 
-    default_fraction: float | None = None
-    patterns: tuple[tuple[str, float], ...] = ()
+    fraction: Fractions = None
     memory_budget: int | float | None = None
     stall_tolerance: float = DEFAULT_STALL_TOLERANCE
     profile: DeviceProfile | str | None = None
     min_bytes: int = DEFAULT_MIN_BYTES
     compiler: Compiler = "inductor"
-    dump_dir: str | None = None
+    dump_dir: str | os.PathLike[str] | None = None
     in_flight_microbatches: int = 1
     recompute_budget: float | None = None
 
-    @classmethod
-    def create(
-        cls,
-        fraction: float | Mapping[str, float] | None = None,
-        memory_budget: int | float | None = None,
-        stall_tolerance: float = DEFAULT_STALL_TOLERANCE,
-        profile: DeviceProfile | str | None = None,
-        min_bytes: int = DEFAULT_MIN_BYTES,
-        compiler: str = "inductor",
-        dump_dir: str | os.PathLike[str] | None = None,
-        in_flight_microbatches: int = 1,
-        recompute_budget: float | None = None,
-    ) -> OffloadOptions:
-        if fraction is not None and memory_budget is not None:
+    def __post_init__(self) -> None:
+        if self.fraction is not None and self.memory_budget is not None:
             raise ValueError("give either fraction or memory_budget, not both")
-        patterns: tuple[tuple[str, float], ...] = ()
-        default: float | None = None
-        if isinstance(fraction, Mapping):
-            patterns = tuple(
-                (_check_pattern(p), check_fraction(f, f"fraction[{p!r}]"))
-                for p, f in fraction.items()
-            )
-            default = 0.0
-        elif fraction is not None:
-            default = check_fraction(fraction)
-        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
-            raise ValueError(f"min_bytes must be a non-negative int, got {min_bytes!r}")
-        if compiler not in COMPILERS:
-            raise ValueError(f"compiler must be one of {COMPILERS}, got {compiler!r}")
-        return cls(
-            default,
-            patterns,
-            _check_budget(memory_budget),
-            check_fraction(stall_tolerance, "stall_tolerance"),
-            check_profile_spec(profile),
-            min_bytes,
-            compiler,  # type: ignore[arg-type]
-            _check_dump_dir(dump_dir),
-            _check_in_flight(in_flight_microbatches),
-            _check_recompute_budget(recompute_budget),
-        )
+        if isinstance(self.min_bytes, bool) or not isinstance(self.min_bytes, int):
+            raise ValueError(f"min_bytes must be a non-negative int, got {self.min_bytes!r}")
+        if self.min_bytes < 0:
+            raise ValueError(f"min_bytes must be a non-negative int, got {self.min_bytes!r}")
+        if self.compiler not in COMPILERS:
+            raise ValueError(f"compiler must be one of {COMPILERS}, got {self.compiler!r}")
+        checked = {
+            "fraction": _check_fractions(self.fraction),
+            "memory_budget": _check_budget(self.memory_budget),
+            "stall_tolerance": check_fraction(self.stall_tolerance, "stall_tolerance"),
+            "profile": check_profile_spec(self.profile),
+            "dump_dir": _check_dump_dir(self.dump_dir),
+            "in_flight_microbatches": _check_in_flight(self.in_flight_microbatches),
+            "recompute_budget": _check_recompute_budget(self.recompute_budget),
+        }
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def default_fraction(self) -> float | None:
+        """The share of modules no pattern covers: 0 beside patterns, None in the other
+        modes."""
+        if isinstance(self.fraction, tuple):
+            return 0.0
+        return self.fraction
+
+    @property
+    def patterns(self) -> tuple[tuple[str, float], ...]:
+        return self.fraction if isinstance(self.fraction, tuple) else ()
 
     @property
     def mode(self) -> str:
         if self.default_fraction is not None:
             return "fraction"
         return "auto" if self.memory_budget is None else "memory_budget"
+
+    def fraction_rule(self) -> FractionRule:
+        """The shares in force now: the options' and :func:`set_fraction`'s."""
+        return FractionRule(
+            self.default_fraction, self.patterns, tuple(sorted(fraction_overrides().items()))
+        )
 
     def check_patterns_match(self, module_paths: Iterable[str]) -> None:
         paths = list(module_paths)
@@ -107,6 +108,18 @@ class OffloadOptions:
                     f"fraction pattern {pattern!r} matches no module of the compiled "
                     f"model (module paths look like {example})"
                 )
+
+
+def _check_fractions(fraction: object) -> float | tuple[tuple[str, float], ...] | None:
+    if fraction is None:
+        return None
+    if isinstance(fraction, Mapping):
+        fraction = tuple(fraction.items())
+    if isinstance(fraction, tuple):
+        return tuple(
+            (_check_pattern(p), check_fraction(f, f"fraction[{p!r}]")) for p, f in fraction
+        )
+    return check_fraction(fraction)
 
 
 def _check_in_flight(count: object) -> int:
@@ -184,14 +197,6 @@ class FractionRule:
     default: float | None
     patterns: tuple[tuple[str, float], ...]
     overrides: tuple[tuple[int, float], ...]
-
-    @classmethod
-    def current(cls, options: OffloadOptions) -> FractionRule:
-        return cls(
-            options.default_fraction,
-            options.patterns,
-            tuple(sorted(fraction_overrides().items())),
-        )
 
     def resolve(self, stack: tuple[tuple[str, int | None], ...]) -> tuple[str, float | None]:
         """(the module whose share applies, the share) for a node's module stack; the

@@ -23,15 +23,16 @@ import dataclasses
 
 import torch.fx
 
-from offload_pass.analysis import (
+from offload_pass.graphs import (
     ChunkGraphs,
     is_fusible,
     is_view,
     kernels_reading,
     materializes,
     storage_root,
+    tensor_bytes,
+    tensor_values,
 )
-from offload_pass.costs import tensor_bytes, tensor_values
 
 
 def free_memory_early(backward: torch.fx.GraphModule, resident: frozenset[str]) -> None:

@@ -9,6 +9,7 @@ import torch.fx
 from offload_pass.costs import ChunkCosts
 from offload_pass.planner import ChunkPlan, Decision, Placement
 from offload_pass.profiles import DeviceProfile
+from offload_pass.report import format_plan
 from offload_pass.simulate import CopyPrediction, Prediction
 
 
@@ -56,6 +57,4 @@ class Plan:
         return {c.root: c for c in self.prediction.copies}
 
     def __str__(self) -> str:
-        from offload_pass.report import format_plan
-
         return format_plan(self)

@@ -78,31 +78,3 @@ def check_profile_spec(spec: object) -> DeviceProfile | str | None:
         return spec  # type: ignore[return-value]
     choices = ", ".join(repr(k) for k in (*BUILT_IN, CALIBRATE))
     raise ValueError(f"profile must be a DeviceProfile or one of {choices}, got {spec!r}")
-
-
-def profile_for(spec: DeviceProfile | str | None, device: torch.device) -> DeviceProfile:
-    """The profile a chunk on ``device`` is planned with.
-
-    ``None`` picks from the device: the CPU profile, the built-in one whose name the CUDA
-    device carries, or, for an unknown CUDA device, a calibration (with a warning).
-    """
-    from offload_pass import calibration
-
-    if isinstance(spec, DeviceProfile):
-        return spec
-    if spec in BUILT_IN:
-        return BUILT_IN[spec]
-    if spec == CALIBRATE:
-        if device.type != "cuda":
-            raise ValueError(
-                f"profile='calibrate' measures a CUDA device; the graph is on {device}"
-            )
-        return calibration.calibrate(_index(device))
-    if device.type != "cuda":
-        return BUILT_IN["cpu"]
-    known = built_in_for_name(torch.cuda.get_device_name(device))
-    return known if known is not None else calibration.calibrate_unknown(_index(device))
-
-
-def _index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()

@@ -6,13 +6,16 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import tabulate
 import torch.fx
 
 from offload_pass import analysis, planner
-from offload_pass.plan import Plan
 from offload_pass.units import format_bytes, format_seconds
+
+if TYPE_CHECKING:
+    from offload_pass.plan import Plan
 
 HEADERS = ("name", "module", "op", "shape", "dtype", "size", "decision", "copy", "hidden")
 OP_WIDTH = 32

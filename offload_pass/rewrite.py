@@ -15,7 +15,8 @@ import torch
 import torch.fx
 
 from offload_pass import _compat, ops
-from offload_pass.analysis import ChunkGraphs, SavedGroup, materializes, view_chain
+from offload_pass.analysis import SavedGroup
+from offload_pass.graphs import ChunkGraphs, materializes, view_chain
 from offload_pass.layout import dense_layout
 from offload_pass.planner import Placement
 from offload_pass.symbolic import SymbolSources

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from offload_pass.analysis import ChunkGraphs
-from offload_pass.costs import estimate_costs, materializes, node_seconds
+from offload_pass.costs import estimate_costs, node_seconds
+from offload_pass.graphs import ChunkGraphs, materializes
 from offload_pass.profiles import BUILT_IN, DeviceProfile
 from offload_pass.simulate import peak_bytes
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import offload_pass
-from offload_pass.profiles import profile_for
+from offload_pass.calibration import profile_for
 from tests import models
 from tests.conftest import train_step
 
@@ -163,7 +163,7 @@ def test_bad_in_flight_microbatches_is_rejected(count):
 
 
 def test_in_flight_microbatches_of_known_schedules():
-    from offload_pass.pipeline import in_flight_microbatches
+    from offload_pass.pipeline_parallel import in_flight_microbatches
 
     assert in_flight_microbatches("Schedule1F1B", 0, 4, 8) == 4
     assert in_flight_microbatches("Schedule1F1B", 3, 4, 8) == 1
@@ -184,3 +184,14 @@ def test_bad_recompute_budget_is_rejected(budget):
 def test_recompute_budget_is_kept_as_a_share():
     assert offload_pass.backend(recompute_budget=1).options.recompute_budget == 1.0
     assert offload_pass.backend().options.recompute_budget is None
+
+
+def test_options_are_checked_when_made_and_when_replaced():
+    import dataclasses
+
+    with pytest.raises(ValueError, match="fraction must be in"):
+        offload_pass.OffloadOptions(fraction=2.0)
+    options = offload_pass.OffloadOptions(fraction={"blocks.*": 0.5})
+    assert options.patterns == (("blocks.*", 0.5),) and options.default_fraction == 0.0
+    with pytest.raises(ValueError, match="either fraction or memory_budget"):
+        dataclasses.replace(options, memory_budget=0.5)

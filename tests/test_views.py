@@ -8,9 +8,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import offload_pass
 from offload_pass import ops
-from offload_pass.analysis import ChunkGraphs, find_saved_groups
+from offload_pass.analysis import find_saved_groups
+from offload_pass.driver import offload_chunk
+from offload_pass.graphs import ChunkGraphs
 from offload_pass.options import OffloadOptions
-from offload_pass.partition import offload_chunk
 
 
 def _forward(x, w):
@@ -45,7 +46,7 @@ def test_views_of_one_storage_form_one_group():
 def test_storage_crosses_once_and_views_share_one_storage_after_reload():
     x, w = torch.randn(6, 4), torch.randn(4, 8)
     chunk = _chunk(x, w)
-    plan = offload_chunk(chunk, OffloadOptions.create(fraction=1.0, min_bytes=0), "views")
+    plan = offload_chunk(chunk, OffloadOptions(fraction=1.0, min_bytes=0), "views")
     assert len(plan.forward.graph.find_nodes(op="call_function", target=ops.OFFLOAD)) == 1
 
     before = offload_pass.counts().bytes_offloaded

@@ -1,0 +1,57 @@
+"""The pass on one partitioned chunk, stage by stage:
+
+    order    backward runs each kernel that frees memory as soon as it can   (order.py)
+    analyse  the storages forward saves, and which of them may move           (analysis.py)
+    costs    what each node takes in time, and when memory is held            (costs.py)
+    plan     which storages move, and where each transfer op goes             (planner.py)
+    rewrite  the transfer ops, inserted into both graphs                      (rewrite.py)
+
+Each stage reads the data the ones before it made; only ``order`` and ``rewrite`` edit
+the graphs. The partitioner (partition.py) calls :func:`offload_chunk` on the stock
+min-cut partition of every graph torch.compile hands the backend.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+from offload_pass.analysis import SavedGroup, find_saved_groups
+from offload_pass.calibration import profile_for
+from offload_pass.costs import estimate_costs
+from offload_pass.graphs import ChunkGraphs
+from offload_pass.options import OffloadOptions
+from offload_pass.order import free_memory_early, resident_inputs
+from offload_pass.plan import Plan
+from offload_pass.planner import Request, placements, plan_offloads
+from offload_pass.rewrite import insert_transfers
+
+
+def request_for(groups: Sequence[SavedGroup], options: OffloadOptions) -> Request:
+    """What the planner is asked, from the options and the fractions in force now."""
+    rule = options.fraction_rule()
+    return Request(
+        owners={g.root: rule.resolve(g.module_stack) for g in groups},
+        min_bytes=options.min_bytes,
+        stall_tolerance=options.stall_tolerance,
+        memory_budget=options.memory_budget,
+        in_flight=options.in_flight_microbatches,
+    )
+
+
+def offload_chunk(chunk: ChunkGraphs, options: OffloadOptions, name: str) -> Plan:
+    """Run every stage on ``chunk``, rewriting its graphs in place; the plan made."""
+    free_memory_early(chunk.backward, resident_inputs(chunk))
+    groups = find_saved_groups(chunk)
+    costs = estimate_costs(chunk, profile_for(options.profile, chunk.device()))
+    planned = plan_offloads(groups, costs, request_for(groups, options))
+    if planned.budget_shortfall:
+        warnings.warn(
+            f"offload_pass: {name} cannot meet memory_budget={planned.budget_bytes:,} bytes; "
+            f"moving every candidate, its predicted peak is {planned.budget_shortfall:,} "
+            "bytes over",
+            stacklevel=2,
+        )
+    placed = placements(planned.transfers, chunk.forward.graph, chunk.backward.graph)
+    insert_transfers(chunk, [d.group for d in planned.decisions if d.moved], placed)
+    return Plan(name, costs, planned, placed, chunk.forward, chunk.backward)
