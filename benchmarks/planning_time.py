@@ -57,7 +57,7 @@ def plan_seconds(chunk: ChunkGraphs, options: OffloadOptions) -> float:
     start = time.perf_counter()
     groups = find_saved_groups(chunk)
     costs = estimate_costs(chunk, BUILT_IN["h200"])
-    plan_offloads(groups, costs, request_for(groups, options))
+    plan_offloads(groups, costs, request_for(groups, options, options.fraction_rule()))
     return time.perf_counter() - start
 
 

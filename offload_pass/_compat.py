@@ -7,6 +7,7 @@ tests/test_compat.py.
 from __future__ import annotations
 
 import re
+import types
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -178,6 +179,24 @@ def root_modules_being_compiled() -> dict[str, torch.nn.Module]:
             if isinstance(value, torch.nn.Module):
                 roots[f"{scope}['{name}']"] = value
     return roots
+
+
+def frame_code_being_compiled() -> types.CodeType | None:
+    """The code object of the frame Dynamo is compiling, while it calls the backend."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+    except (ImportError, AttributeError, AssertionError):
+        return None
+    return getattr(tx, "f_code", None) if tx is not None else None
+
+
+def discard_compiled_code(code: types.CodeType) -> None:
+    """Drop what Dynamo compiled for ``code``, so that its next call compiles again."""
+    from torch._C._dynamo.eval_frame import reset_code
+
+    reset_code(code)
 
 
 def split_source_path(path: str) -> tuple[str, str]:

@@ -10,7 +10,12 @@ import torch
 import torch.fx
 
 from offload_pass import _compat, ops
-from offload_pass.options import DEFAULT_MIN_BYTES, DEFAULT_STALL_TOLERANCE, OffloadOptions
+from offload_pass.options import (
+    DEFAULT_MIN_BYTES,
+    DEFAULT_STALL_TOLERANCE,
+    OffloadOptions,
+    record_compiled_frame,
+)
 from offload_pass.partition import OffloadPartitioner
 from offload_pass.plan import Plan
 from offload_pass.profiles import DeviceProfile
@@ -35,8 +40,13 @@ class OffloadBackend:
     def partitioner_for(self, gm: torch.fx.GraphModule) -> OffloadPartitioner:
         """The partitioner for one Dynamo graph; its plan is appended to ``plans``."""
         self.options.check_patterns_match(_module_paths(gm))
+        code = _compat.frame_code_being_compiled()
+        if code is not None:
+            module_ids = {i for n in gm.graph.nodes for _, i in _compat.module_stack(n)}
+            record_compiled_frame(code, module_ids - {None})
         name = f"chunk {gm.meta.get('dynamo_compile_id', len(self.plans))}"
-        return OffloadPartitioner(self.options, name, self.plans.append)
+        rule = self.options.fraction_rule()
+        return OffloadPartitioner(self.options, rule, name, self.plans.append)
 
     def __call__(
         self,

@@ -20,16 +20,17 @@ from offload_pass.analysis import SavedGroup, find_saved_groups
 from offload_pass.calibration import profile_for
 from offload_pass.costs import estimate_costs
 from offload_pass.graphs import ChunkGraphs
-from offload_pass.options import OffloadOptions
+from offload_pass.options import FractionRule, OffloadOptions
 from offload_pass.order import free_memory_early, resident_inputs
 from offload_pass.plan import Plan
 from offload_pass.planner import Request, placements, plan_offloads
 from offload_pass.rewrite import insert_transfers
 
 
-def request_for(groups: Sequence[SavedGroup], options: OffloadOptions) -> Request:
-    """What the planner is asked, from the options and the fractions in force now."""
-    rule = options.fraction_rule()
+def request_for(
+    groups: Sequence[SavedGroup], options: OffloadOptions, rule: FractionRule
+) -> Request:
+    """What the planner is asked, from the options and the shares ``rule`` gives."""
     return Request(
         owners={g.root: rule.resolve(g.module_stack) for g in groups},
         min_bytes=options.min_bytes,
@@ -39,12 +40,15 @@ def request_for(groups: Sequence[SavedGroup], options: OffloadOptions) -> Reques
     )
 
 
-def offload_chunk(chunk: ChunkGraphs, options: OffloadOptions, name: str) -> Plan:
-    """Run every stage on ``chunk``, rewriting its graphs in place; the plan made."""
+def offload_chunk(
+    chunk: ChunkGraphs, options: OffloadOptions, rule: FractionRule, name: str
+) -> Plan:
+    """Run every stage on ``chunk``, rewriting its graphs in place; the plan made.
+    ``rule``: the shares in force when the graph began to compile."""
     free_memory_early(chunk.backward, resident_inputs(chunk))
     groups = find_saved_groups(chunk)
     costs = estimate_costs(chunk, profile_for(options.profile, chunk.device()))
-    planned = plan_offloads(groups, costs, request_for(groups, options))
+    planned = plan_offloads(groups, costs, request_for(groups, options, rule))
     if planned.budget_shortfall:
         warnings.warn(
             f"offload_pass: {name} cannot meet memory_budget={planned.budget_bytes:,} bytes; "

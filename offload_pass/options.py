@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import os
+import types
 import weakref
 from collections.abc import Iterable, Mapping
 from typing import Literal
 
 import torch
 
+from offload_pass import _compat
 from offload_pass.profiles import DeviceProfile, check_profile_spec
 
 Compiler = Literal["inductor", "eager"]
@@ -170,19 +172,30 @@ def _check_pattern(pattern: object) -> str:
 
 
 _overrides: weakref.WeakKeyDictionary[torch.nn.Module, float] = weakref.WeakKeyDictionary()
+_compiled_frames: dict[types.CodeType, set[int]] = {}
+"""Each frame compiled with an offload backend, and the ids of the modules its graphs
+ran (ids of dead modules may linger: they only cost a needless recompile)."""
+
+
+def record_compiled_frame(code: types.CodeType, module_ids: Iterable[int]) -> None:
+    """Note that ``code``'s compiled graphs plan the modules ``module_ids``."""
+    _compiled_frames.setdefault(code, set()).update(module_ids)
 
 
 def set_fraction(module: torch.nn.Module, fraction: float) -> None:
     """Offload ``fraction`` of ``module``'s activations from the next call on.
 
     Takes precedence over the backend's ``fraction`` option for this module and the
-    modules inside it. Compiled code is discarded (``torch.compiler.reset()``), so the
-    next call compiles and plans again with the new share.
+    modules inside it. What was compiled for the frames whose graphs run ``module`` is
+    discarded, so their next call compiles and plans again with the new share; other
+    compiled code is kept.
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"set_fraction expects an nn.Module, got {type(module).__name__}")
     _overrides[module] = check_fraction(fraction)
-    torch.compiler.reset()
+    for code, module_ids in _compiled_frames.items():
+        if id(module) in module_ids:
+            _compat.discard_compiled_code(code)
 
 
 def fraction_overrides() -> dict[int, float]:

@@ -11,15 +11,22 @@ import torch.fx
 from offload_pass import _compat, dump
 from offload_pass.driver import offload_chunk
 from offload_pass.graphs import ChunkGraphs
-from offload_pass.options import OffloadOptions
+from offload_pass.options import FractionRule, OffloadOptions
 from offload_pass.plan import Plan
 
 
 class OffloadPartitioner(_compat.PartitionerBase):
     """Usable as Inductor's ``custom_partitioner_fn`` and as AOTAutograd's partition_fn."""
 
-    def __init__(self, options: OffloadOptions, name: str, on_plan: Callable[[Plan], None]) -> None:
+    def __init__(
+        self,
+        options: OffloadOptions,
+        rule: FractionRule,
+        name: str,
+        on_plan: Callable[[Plan], None],
+    ) -> None:
         self.options = options
+        self.rule = rule
         self.name = name
         self.on_plan = on_plan
 
@@ -30,7 +37,7 @@ class OffloadPartitioner(_compat.PartitionerBase):
             joint, joint_inputs, self.options.recompute_budget, **kwargs
         )
         chunk = ChunkGraphs(forward, backward, kwargs["num_fwd_outputs"])
-        plan = offload_chunk(chunk, self.options, self.name)
+        plan = offload_chunk(chunk, self.options, self.rule, self.name)
         dump.record(plan, dump.dump_dir(self.options.dump_dir))
         self.on_plan(plan)
         return forward, backward

@@ -195,3 +195,19 @@ def test_options_are_checked_when_made_and_when_replaced():
     assert options.patterns == (("blocks.*", 0.5),) and options.default_fraction == 0.0
     with pytest.raises(ValueError, match="either fraction or memory_budget"):
         dataclasses.replace(options, memory_budget=0.5)
+
+
+def test_set_fraction_keeps_other_models_compiled():
+    torch.manual_seed(0)
+    stack, mlp = models.BlockStack(depth=2), models.MLP(32)
+    planned_stack = offload_pass.backend(fraction=1.0, min_bytes=0, compiler="eager")
+    planned_mlp = offload_pass.backend(fraction=1.0, min_bytes=0, compiler="eager")
+    compiled_stack = torch.compile(stack, backend=planned_stack)
+    compiled_mlp = torch.compile(mlp, backend=planned_mlp)
+    x = torch.randn(2, 16, 32)
+    for _ in range(2):
+        train_step(compiled_stack, x)
+        train_step(compiled_mlp, x)
+        offload_pass.set_fraction(stack.blocks[0], 0.0)
+    assert len(planned_stack.plans) == 2, "the stack plans again with its new share"
+    assert len(planned_mlp.plans) == 1, "the other model keeps its compiled code"

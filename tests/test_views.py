@@ -46,7 +46,8 @@ def test_views_of_one_storage_form_one_group():
 def test_storage_crosses_once_and_views_share_one_storage_after_reload():
     x, w = torch.randn(6, 4), torch.randn(4, 8)
     chunk = _chunk(x, w)
-    plan = offload_chunk(chunk, OffloadOptions(fraction=1.0, min_bytes=0), "views")
+    options = OffloadOptions(fraction=1.0, min_bytes=0)
+    plan = offload_chunk(chunk, options, options.fraction_rule(), "views")
     assert len(plan.forward.graph.find_nodes(op="call_function", target=ops.OFFLOAD)) == 1
 
     before = offload_pass.counts().bytes_offloaded
