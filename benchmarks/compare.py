@@ -1,5 +1,5 @@
 """Side by side, in one process: no offload, the peers and offload_pass on the workloads of
-BENCHMARKS.md; a markdown table, a JSON file and a Pareto plot under --out.
+benchmarks/README.md; a markdown table, a JSON file and a Pareto plot under --out.
 
     python -m benchmarks.compare                        # W1 and W2, every configuration
     python -m benchmarks.compare --workloads W1 --configs compiled "offload_pass auto"

@@ -14,7 +14,7 @@ import offload_pass
 from benchmarks.configs import Config, Unavailable
 from benchmarks.workloads import Workload, build
 
-FIRST_TIMED_STEP = 2  # BENCHMARKS.md: the median of steps 3..8
+FIRST_TIMED_STEP = 2  # benchmarks/README.md: the median of steps 3..8
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The reference workloads of BENCHMARKS.md: a GPT-style decoder stack."""
+"""The reference workloads of benchmarks/README.md: a GPT-style decoder stack."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
     python examples/train_gpt.py                       # CUDA if present, else CPU
     python examples/train_gpt.py --fraction 0.5 --steps 20 --show-plan
 
-The decoder blocks are those of the W1 workload in docs/benchmarks.md, scaled down.
+The decoder blocks are those of the W1 workload in benchmarks/README.md, scaled down.
 """
 
 from __future__ import annotations
