@@ -11,11 +11,11 @@ from offload_pass.explain import explain
 from offload_pass.options import OffloadOptions, set_fraction
 from offload_pass.peak import PeakBreakdown, peak_breakdown
 from offload_pass.plan import Plan
-from offload_pass.planner import Decision, Placement
+from offload_pass.planner import Decision
 from offload_pass.profiles import DeviceProfile
 from offload_pass.report import ModelReport
 from offload_pass.runtime import OffloadError, TransferCounts, counts
-from offload_pass.simulate import CopyPrediction, Prediction
+from offload_pass.simulate import CopyPrediction, Prediction, Transfer
 
 register_backend_name("offload", offload)
 
@@ -28,9 +28,9 @@ __all__ = [
     "OffloadError",
     "OffloadOptions",
     "PeakBreakdown",
-    "Placement",
     "Plan",
     "Prediction",
+    "Transfer",
     "TransferCounts",
     "backend",
     "calibrate_shared",

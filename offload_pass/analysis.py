@@ -71,11 +71,11 @@ def _fixed_reason(
     root: torch.fx.Node,
     members: list[torch.fx.Node],
     user_outputs: set[torch.fx.Node],
-    bw_inputs: dict[str, torch.fx.Node],
+    bw_inputs: dict[torch.fx.Node, torch.fx.Node],
     backward: torch.fx.Graph,
 ) -> str | None:
     value = root.meta.get("val")
-    if any(m.name not in bw_inputs or not bw_inputs[m.name].users for m in members):
+    if any(m not in bw_inputs or not bw_inputs[m].users for m in members):
         return NOT_IN_BACKWARD
     if root.op == "placeholder" or not isinstance(value, torch.Tensor):
         return INPUT_ALIAS
@@ -122,7 +122,7 @@ def _forward_readers(
 def find_saved_groups(chunk: ChunkGraphs) -> tuple[SavedGroup, ...]:
     fw_index = {n: i for i, n in enumerate(chunk.forward.graph.nodes)}
     bw_index = {n: i for i, n in enumerate(chunk.backward.graph.nodes)}
-    bw_inputs = {n.name: n for n in chunk.backward.graph.find_nodes(op="placeholder")}
+    bw_inputs = chunk.backward_inputs()
     user_outputs = set(chunk.user_outputs())
 
     by_root: dict[torch.fx.Node, list[torch.fx.Node]] = {}
@@ -134,7 +134,7 @@ def find_saved_groups(chunk: ChunkGraphs) -> tuple[SavedGroup, ...]:
     kernels: dict[torch.fx.Node, frozenset[torch.fx.Node]] = {}
     for root, members in by_root.items():
         val = root.meta["val"]
-        readers = [u for m in members if m.name in bw_inputs for u in bw_inputs[m.name].users]
+        readers = [u for m in members if m in bw_inputs for u in bw_inputs[m].users]
         readers_fw = _forward_readers(root, fw_index, kernels)
         numel = _compat.concrete_int(val.numel()) if isinstance(val, torch.Tensor) else 0
         groups.append(

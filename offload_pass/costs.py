@@ -95,7 +95,7 @@ def _memory_events(
     chunk: ChunkGraphs, forward: list[torch.fx.Node], backward: list[torch.fx.Node]
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Bytes allocated at each position, and bytes freed after it."""
-    saved = {n.name: n for n in chunk.saved_values() if isinstance(n, torch.fx.Node)}
+    received = chunk.saved_values_by_input()
     position = {n: i for i, n in enumerate(itertools.chain(forward, backward))}
     end = len(position) - 1
     user_outputs = set(chunk.user_outputs())
@@ -103,7 +103,7 @@ def _memory_events(
     def storage(node: torch.fx.Node) -> torch.fx.Node | None:
         root = storage_root(node)
         if root.op == "placeholder" and root in position and position[root] >= len(forward):
-            root = storage_root(saved[root.name]) if root.name in saved else root
+            root = storage_root(received[root]) if root in received else root
         return None if root.op == "placeholder" and position[root] < len(forward) else root
 
     kernels: dict[torch.fx.Node, frozenset[torch.fx.Node]] = {}

@@ -23,7 +23,7 @@ from offload_pass.graphs import ChunkGraphs
 from offload_pass.options import FractionRule, OffloadOptions
 from offload_pass.order import free_memory_early, resident_inputs
 from offload_pass.plan import Plan
-from offload_pass.planner import Request, placements, plan_offloads
+from offload_pass.planner import Request, plan_offloads
 from offload_pass.rewrite import insert_transfers
 
 
@@ -56,6 +56,5 @@ def offload_chunk(
             "bytes over",
             stacklevel=2,
         )
-    placed = placements(planned.transfers, chunk.forward.graph, chunk.backward.graph)
-    insert_transfers(chunk, [d.group for d in planned.decisions if d.moved], placed)
-    return Plan(name, costs, planned, placed, chunk.forward, chunk.backward)
+    insert_transfers(chunk, [d.group for d in planned.decisions if d.moved], planned.transfers)
+    return Plan(name, costs, planned, chunk.forward, chunk.backward)

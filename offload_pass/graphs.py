@@ -39,6 +39,20 @@ class ChunkGraphs:
         outputs = self.forward.graph.output_node().args[0]
         return [n for n in outputs[: self.num_forward_outputs] if isinstance(n, torch.fx.Node)]
 
+    def backward_inputs(self) -> dict[torch.fx.Node, torch.fx.Node]:
+        """Each saved forward value that backward takes, and the backward input taking it.
+
+        The partitioner names each backward input after the forward value it receives:
+        this is the one place that relies on it.
+        """
+        inputs = {n.name: n for n in self.backward.graph.find_nodes(op="placeholder")}
+        saved = (n for n in self.saved_values() if isinstance(n, torch.fx.Node))
+        return {n: inputs[n.name] for n in saved if n.name in inputs}
+
+    def saved_values_by_input(self) -> dict[torch.fx.Node, torch.fx.Node]:
+        """Each backward input that receives a saved value, and that forward value."""
+        return {received: value for value, received in self.backward_inputs().items()}
+
 
 def is_view(node: torch.fx.Node) -> bool:
     """An op whose result aliases its first input: a view op, or one element of a

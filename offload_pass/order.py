@@ -48,10 +48,9 @@ def free_memory_early(backward: torch.fx.GraphModule, resident: frozenset[str]) 
 
 def resident_inputs(chunk: ChunkGraphs) -> frozenset[str]:
     """Backward's inputs that alias a forward input."""
-    saved = {n.name: n for n in chunk.saved_values() if isinstance(n, torch.fx.Node)}
-    names = (n.name for n in chunk.backward.graph.find_nodes(op="placeholder"))
+    received = chunk.saved_values_by_input()
     return frozenset(
-        name for name in names if name in saved and storage_root(saved[name]).op == "placeholder"
+        node.name for node, value in received.items() if storage_root(value).op == "placeholder"
     )
 
 

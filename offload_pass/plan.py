@@ -7,7 +7,7 @@ import dataclasses
 import torch.fx
 
 from offload_pass.costs import ChunkCosts
-from offload_pass.planner import ChunkPlan, Decision, Placement
+from offload_pass.planner import ChunkPlan, Decision
 from offload_pass.profiles import DeviceProfile
 from offload_pass.report import format_plan
 from offload_pass.simulate import CopyPrediction, Prediction
@@ -15,7 +15,7 @@ from offload_pass.simulate import CopyPrediction, Prediction
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """One chunk's decisions, placements, prediction and rewritten graphs.
+    """One chunk's decisions, transfers, prediction and rewritten graphs.
 
     ``forward`` and ``backward`` are the graphs as rewritten, before the compiler
     lowers them; ``print(plan.forward.code)`` shows every offload, wait and reload.
@@ -25,7 +25,6 @@ class Plan:
     chunk: str
     costs: ChunkCosts
     planned: ChunkPlan
-    placements: tuple[Placement, ...]
     forward: torch.fx.GraphModule
     backward: torch.fx.GraphModule
 

@@ -36,8 +36,6 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 
-import torch.fx
-
 from offload_pass.analysis import SavedGroup
 from offload_pass.costs import ChunkCosts
 from offload_pass.simulate import Prediction, Transfer, peak_bytes, simulate
@@ -64,21 +62,6 @@ class Decision:
     reason: str
     owner: str
     share: float | None
-
-
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    """Where the four ops of one moved group go, by node name.
-
-    Forward: offload after ``offload_after``, offload_wait after ``wait_after``.
-    Backward: reload before ``reload_before``, reload_wait before ``first_use``.
-    """
-
-    root: str
-    offload_after: str
-    wait_after: str
-    reload_before: str
-    first_use: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -409,21 +392,3 @@ def _decide(g: SavedGroup, chosen: set[str], request: Request, unchosen: str) ->
     else:
         reason = FRACTION_REACHED if share is not None else unchosen
     return Decision(g, g.root in chosen, reason, owner, share)
-
-
-def placements(
-    transfers: Sequence[Transfer], forward: torch.fx.Graph, backward: torch.fx.Graph
-) -> tuple[Placement, ...]:
-    """The transfers' positions as node names, for the rewrite."""
-    fw = list(forward.nodes)
-    bw = list(backward.nodes)
-    return tuple(
-        Placement(
-            t.root,
-            fw[t.offload_at].name,
-            fw[t.wait_at].name,
-            bw[t.reload_at].name,
-            bw[t.need_at].name,
-        )
-        for t in transfers
-    )

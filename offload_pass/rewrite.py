@@ -9,6 +9,7 @@ Backward: the saved-value inputs become one host input, ``ticket = reload(h)`` a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -18,7 +19,7 @@ from offload_pass import _compat, ops
 from offload_pass.analysis import SavedGroup
 from offload_pass.graphs import ChunkGraphs, materializes, view_chain
 from offload_pass.layout import dense_layout
-from offload_pass.planner import Placement
+from offload_pass.simulate import Transfer
 from offload_pass.symbolic import SymbolSources
 
 _COPIED_META = ("nn_module_stack", "stack_trace", "source_fn_stack")
@@ -68,63 +69,93 @@ def _as_tensor(node: torch.fx.Node) -> torch.fx.Node | None:
     return next((u for u in node.users if _is_token(u)), None)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Sites:
+    """One moved storage's nodes: its producer and the node its wait follows, in forward;
+    the node its reload precedes, its first use, and the inputs receiving its saved
+    values, in backward."""
+
+    group: SavedGroup
+    root: torch.fx.Node
+    wait_after: torch.fx.Node
+    reload_before: torch.fx.Node
+    first_use: torch.fx.Node
+    members: tuple[torch.fx.Node, ...]
+    received: tuple[torch.fx.Node, ...]
+
+
+def _resolve(
+    chunk: ChunkGraphs, moved: Sequence[SavedGroup], transfers: Sequence[Transfer]
+) -> list[_Sites]:
+    """The planner's positions as nodes, read before either graph changes."""
+    forward = list(chunk.forward.graph.nodes)
+    backward = list(chunk.backward.graph.nodes)
+    by_name = {n.name: n for n in forward}
+    inputs = chunk.backward_inputs()
+    groups = {g.root: g for g in moved}
+    sites = []
+    for t in transfers:
+        members = tuple(by_name[m] for m in groups[t.root].members)
+        sites.append(
+            _Sites(
+                groups[t.root],
+                forward[t.offload_at],
+                forward[t.wait_at],
+                backward[t.reload_at],
+                backward[t.need_at],
+                members,
+                tuple(inputs[m] for m in members),
+            )
+        )
+    return sites
+
+
 def _wait_tokens(
-    group: SavedGroup,
-    nodes: dict[str, torch.fx.Node],
-    wait_after: torch.fx.Node,
-    tickets: dict[str, torch.fx.Node],
+    site: _Sites, readers: Sequence[torch.fx.Node], tickets: dict[torch.fx.Node, torch.fx.Node]
 ) -> list[torch.fx.Node]:
     """What an offload_wait must come after: every kernel reading the storage, and the
     point the planner chose. (Depending on the readers' results keeps a compiler from
     computing a fused read after the wait.) A moved storage stands in by its ticket, so
     its own wait stays its last use."""
-    order = {n: i for i, n in enumerate(wait_after.graph.nodes)}
-    readers = [_as_tensor(nodes[name]) for name in group.forward_readers]
-    candidates = [t for t in [*readers, *_token_before(wait_after)] if t is not None]
-    found = [tickets.get(t.name, t) for t in candidates]
+    order = {n: i for i, n in enumerate(site.wait_after.graph.nodes)}
+    tensors = [_as_tensor(r) for r in readers]
+    candidates = [t for t in [*tensors, *_token_before(site.wait_after)] if t is not None]
+    found = [tickets.get(t, t) for t in candidates]
     return [
-        t
-        for t in dict.fromkeys(found)
-        if t is not nodes[group.root] and order[t] <= order[wait_after]
+        t for t in dict.fromkeys(found) if t is not site.root and order[t] <= order[site.wait_after]
     ]
 
 
 def rewrite_forward(
-    forward: torch.fx.GraphModule,
-    groups: dict[str, SavedGroup],
-    placements: Sequence[Placement],
-    num_forward_outputs: int,
-) -> dict[str, torch.fx.Node]:
+    forward: torch.fx.GraphModule, sites: Sequence[_Sites], num_forward_outputs: int
+) -> dict[torch.fx.Node, torch.fx.Node]:
     """Insert offload and offload_wait; return the host node of each moved root."""
     graph = forward.graph
-    nodes = {n.name: n for n in graph.nodes}
-    layouts = {p.root: dense_layout(nodes[p.root].meta["val"]) for p in placements}
-    tickets: dict[str, torch.fx.Node] = {}
-    for p in placements:
-        root = nodes[p.root]
-        with graph.inserting_after(root):
-            tickets[p.root] = _add_node(graph, ops.OFFLOAD, (root, layouts[p.root]), root)
-    tokens = {
-        p.root: _wait_tokens(groups[p.root], nodes, nodes[p.wait_after], tickets)
-        for p in placements
-    }
-    host: dict[str, torch.fx.Node] = {}
-    for p in reversed(placements):
-        anchor = tickets.get(p.wait_after, nodes[p.wait_after])
-        args = (tickets[p.root], nodes[p.root], layouts[p.root], tokens[p.root])
+    by_name = {n.name: n for n in graph.nodes}
+    readers = {s.root: [by_name[r] for r in s.group.forward_readers] for s in sites}
+    layouts = {s.root: dense_layout(s.root.meta["val"]) for s in sites}
+    tickets: dict[torch.fx.Node, torch.fx.Node] = {}
+    for s in sites:
+        with graph.inserting_after(s.root):
+            tickets[s.root] = _add_node(graph, ops.OFFLOAD, (s.root, layouts[s.root]), s.root)
+    tokens = {s.root: _wait_tokens(s, readers[s.root], tickets) for s in sites}
+    host: dict[torch.fx.Node, torch.fx.Node] = {}
+    for s in reversed(sites):
+        anchor = tickets.get(s.wait_after, s.wait_after)
+        args = (tickets[s.root], s.root, layouts[s.root], tokens[s.root])
         with graph.inserting_after(anchor):
-            host[p.root] = _add_node(graph, ops.OFFLOAD_WAIT, args, nodes[p.root])
+            host[s.root] = _add_node(graph, ops.OFFLOAD_WAIT, args, s.root)
 
     output = graph.output_node()
     outputs = list(output.args[0])
-    replaced = {m: groups[p.root] for p in placements for m in groups[p.root].members}
+    replaced = {m: s for s in sites for m in s.members}
     saved = []
     for value in outputs[num_forward_outputs:]:
-        group = replaced.get(getattr(value, "name", None))
-        if group is None:
+        site = replaced.get(value)
+        if site is None:
             saved.append(value)
-        elif value.name == group.members[0]:
-            saved.append(host[group.root])
+        elif value is site.members[0]:
+            saved.append(host[site.root])
     output.args = (tuple(outputs[:num_forward_outputs] + saved),)
     graph.lint()
     forward.recompile()
@@ -133,49 +164,44 @@ def rewrite_forward(
 
 def rewrite_backward(
     backward: torch.fx.GraphModule,
-    forward: torch.fx.GraphModule,
-    groups: dict[str, SavedGroup],
-    placements: Sequence[Placement],
-    host: dict[str, torch.fx.Node],
+    sites: Sequence[_Sites],
+    host: dict[torch.fx.Node, torch.fx.Node],
 ) -> None:
     """Turn saved inputs into host inputs, then insert reload, reload_wait and views."""
     graph = backward.graph
-    nodes = {n.name: n for n in graph.nodes}
-    fw_nodes = {n.name: n for n in forward.graph.nodes}
     host_inputs = {}
-    for p in placements:
-        first = nodes[groups[p.root].members[0]]
-        with graph.inserting_before(first):
-            host_input = graph.placeholder(host[p.root].name)
-        host_input.meta["val"] = host[p.root].meta["val"]
-        host_inputs[p.root] = host_input
+    for s in sites:
+        with graph.inserting_before(s.received[0]):
+            host_input = graph.placeholder(host[s.root].name)
+        host_input.meta["val"] = host[s.root].meta["val"]
+        host_inputs[s.root] = host_input
 
-    position = {name: i for i, name in enumerate(nodes)}
-    tokens = {p.root: _token_before(nodes[p.reload_before].prev) for p in placements}
-    by_first_use = sorted(placements, key=lambda p: position[p.first_use])
-    for p in by_first_use:
-        root = fw_nodes[p.root]
-        device = root.meta["val"].device
-        h = host_inputs[p.root]
-        with graph.inserting_before(nodes[p.reload_before]):
-            ticket = _add_node(graph, ops.RELOAD, (h, device, tokens[p.root]), root)
-        with graph.inserting_before(nodes[p.first_use]):
-            loaded = _add_node(graph, ops.RELOAD_WAIT, (ticket, h, device), root)
-            sizes = SymbolSources.of(graph, root.meta["val"])
-            for member in groups[p.root].members:
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    tokens = {s.root: _token_before(s.reload_before.prev) for s in sites}
+    for s in sorted(sites, key=lambda s: position[s.first_use]):
+        device = s.root.meta["val"].device
+        h = host_inputs[s.root]
+        with graph.inserting_before(s.reload_before):
+            ticket = _add_node(graph, ops.RELOAD, (h, device, tokens[s.root]), s.root)
+        with graph.inserting_before(s.first_use):
+            loaded = _add_node(graph, ops.RELOAD_WAIT, (ticket, h, device), s.root)
+            sizes = SymbolSources.of(graph, s.root.meta["val"])
+            for member, received in zip(s.members, s.received, strict=True):
                 view = loaded
-                for step in view_chain(fw_nodes[member]):
+                for step in view_chain(member):
                     args, kwargs = sizes.derive((step.args[1:], step.kwargs), graph, loaded)
                     view = _add_node(graph, step.target, (view, *args), step, kwargs)
-                nodes[member].replace_all_uses_with(view)
-                graph.erase_node(nodes[member])
+                received.replace_all_uses_with(view)
+                graph.erase_node(received)
     graph.lint()
     backward.recompile()
 
 
 def insert_transfers(
-    chunk: ChunkGraphs, moved: Sequence[SavedGroup], placements: Sequence[Placement]
+    chunk: ChunkGraphs, moved: Sequence[SavedGroup], transfers: Sequence[Transfer]
 ) -> None:
-    groups = {g.root: g for g in moved}
-    host = rewrite_forward(chunk.forward, groups, placements, chunk.num_forward_outputs)
-    rewrite_backward(chunk.backward, chunk.forward, groups, placements, host)
+    """Insert the transfer ops where ``transfers`` (the planner's, by node position in
+    the graphs as they are now) place them."""
+    sites = _resolve(chunk, moved, transfers)
+    host = rewrite_forward(chunk.forward, sites, chunk.num_forward_outputs)
+    rewrite_backward(chunk.backward, sites, host)
