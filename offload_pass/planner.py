@@ -38,7 +38,14 @@ from collections.abc import Sequence
 
 from offload_pass.analysis import SavedGroup
 from offload_pass.costs import ChunkCosts
-from offload_pass.simulate import Prediction, Transfer, peak_bytes, simulate
+from offload_pass.simulate import (
+    CopyQueue,
+    DeadlineChain,
+    Prediction,
+    Transfer,
+    peak_bytes,
+    simulate,
+)
 
 OFFLOAD_MARGIN = 1.05
 RELOAD_MARGIN = 1.25
@@ -152,13 +159,11 @@ def _offload_ends(
     order: Sequence[SavedGroup], costs: ChunkCosts, clocks: _Clocks, margin: float
 ) -> list[float]:
     """When each copy of the device-to-host queue ends, copies ``margin`` times slower."""
-    queue_free = 0.0
-    ends = []
-    for g in order:
-        queue_free = max(clocks.forward_end[g.produced_at], queue_free)
-        queue_free += margin * costs.offload_seconds(g.nbytes)
-        ends.append(queue_free)
-    return ends
+    queue = CopyQueue()
+    return [
+        queue.push(clocks.forward_end[g.produced_at], margin * costs.offload_seconds(g.nbytes))[1]
+        for g in order
+    ]
 
 
 def _reload_positions(
@@ -206,13 +211,13 @@ def _reload_starts(
 ) -> list[float]:
     """When each reload of the chain must start, latest needed first, copies ``margin``
     times slower (negative: before backward starts)."""
-    chain = float("inf")
-    starts = []
-    for g in order:
-        chain = min(chain, clocks.backward_start[g.first_backward_use])
-        chain -= margin * costs.reload_seconds(g.nbytes)
-        starts.append(chain)
-    return starts
+    chain = DeadlineChain()
+    return [
+        chain.push(
+            clocks.backward_start[g.first_backward_use], margin * costs.reload_seconds(g.nbytes)
+        )
+        for g in order
+    ]
 
 
 def place(
@@ -249,23 +254,21 @@ def _hides(
     if not costs.profile.copies_overlap_compute:
         return set()
     forced_roots = {g.root for g in forced}
-    queue_free = 0.0
+    queue = CopyQueue()
     forward_ok = []
     for g in sorted([*candidates, *forced], key=lambda g: g.produced_at):
-        start = max(clocks.forward_end[g.produced_at], queue_free)
-        end = start + costs.offload_seconds(g.nbytes)
-        if g.root in forced_roots or end <= clocks.forward_seconds:
-            queue_free = end
+        ready, seconds = clocks.forward_end[g.produced_at], costs.offload_seconds(g.nbytes)
+        if g.root in forced_roots or queue.start_of(ready) + seconds <= clocks.forward_seconds:
+            queue.push(ready, seconds)
             forward_ok.append(g)
 
     allowance = tolerance * (sum(costs.forward_seconds) + sum(costs.backward_seconds))
-    chain = float("inf")
+    chain = DeadlineChain()
     hidden = set()
     for g in sorted(forward_ok, key=lambda g: (-g.first_backward_use, -g.produced_at)):
-        start = min(chain, clocks.backward_start[g.first_backward_use])
-        start -= costs.reload_seconds(g.nbytes)
-        if g.root in forced_roots or start >= -allowance:
-            chain = start
+        due, seconds = clocks.backward_start[g.first_backward_use], costs.reload_seconds(g.nbytes)
+        if g.root in forced_roots or chain.start_of(due, seconds) >= -allowance:
+            chain.push(due, seconds)
             hidden.add(g.root)
     return hidden - forced_roots
 

@@ -100,17 +100,54 @@ class _Copy:
     stall: float = 0.0
 
 
-class _Streams:
+@dataclasses.dataclass
+class CopyQueue:
+    """One copy stream: copies run one at a time, in the order they are issued."""
+
+    free_at: float = 0.0
+
+    def start_of(self, ready: float) -> float:
+        """When a copy ready at ``ready`` would start, issued now."""
+        return max(ready, self.free_at)
+
+    def push(self, ready: float, seconds: float) -> tuple[float, float]:
+        """Issue a copy ready at ``ready``; its start and end."""
+        start = self.start_of(ready)
+        self.free_at = start + seconds
+        return start, self.free_at
+
+
+@dataclasses.dataclass
+class DeadlineChain:
+    """The same queue planned backwards from each copy's deadline, latest deadline first:
+    each copy starts as late as it can and still ends by its deadline and before the copy
+    after it starts."""
+
+    next_start: float = float("inf")
+
+    def start_of(self, deadline: float, seconds: float) -> float:
+        """The latest start of a copy due at ``deadline``, queued before the others."""
+        return min(self.next_start, deadline) - seconds
+
+    def push(self, deadline: float, seconds: float) -> float:
+        self.next_start = self.start_of(deadline, seconds)
+        return self.next_start
+
+
+class _Compute:
+    """The compute stream's clock, and the time it spent waiting for copies."""
+
     def __init__(self, overlap: bool) -> None:
         self.clock = 0.0
         self.stall = 0.0
         self.overlap = overlap
 
-    def enqueue(self, queue_free: float, ready: float, seconds: float) -> tuple[float, float]:
-        start = max(self.clock, queue_free, ready)
+    def issue(self, queue: CopyQueue, ready: float, seconds: float) -> tuple[float, float]:
+        """A copy issued now; where copies cannot overlap compute, compute waits for it."""
+        start, end = queue.push(max(self.clock, ready), seconds)
         if not self.overlap:
-            self.wait_for(start + seconds)
-        return start, start + seconds
+            self.wait_for(end)
+        return start, end
 
     def wait_for(self, done: float) -> float:
         stall = max(0.0, done - self.clock)
@@ -143,35 +180,33 @@ def peak_bytes(costs: ChunkCosts, transfers: Sequence[Transfer], in_flight: int 
 
 
 def simulate(costs: ChunkCosts, transfers: Sequence[Transfer], in_flight: int = 1) -> Prediction:
-    streams = _Streams(costs.profile.copies_overlap_compute)
+    streams = _Compute(costs.profile.copies_overlap_compute)
     copies = {t.root: _Copy(t) for t in transfers}
     offloads, waits = _by(transfers, "offload_at"), _by(transfers, "wait_at")
     reloads, needs = _by(transfers, "reload_at"), _by(transfers, "need_at")
 
-    d2h_free = 0.0
+    device_to_host = CopyQueue()
     forward_starts = []
     for i, seconds in enumerate(costs.forward_seconds):
         forward_starts.append(streams.clock)
         streams.clock += seconds
         for t in offloads.get(i, ()):
             c = copies[t.root]
-            c.offload_start, c.offload_end = streams.enqueue(
-                d2h_free, 0.0, costs.offload_seconds(t.nbytes)
+            c.offload_start, c.offload_end = streams.issue(
+                device_to_host, 0.0, costs.offload_seconds(t.nbytes)
             )
-            d2h_free = c.offload_end
         for t in waits.get(i, ()):
             copies[t.root].stall += streams.wait_for(copies[t.root].offload_end)
     forward_end = streams.clock
 
-    h2d_free = 0.0
+    host_to_device = CopyQueue()
     backward_starts = []
     for j, seconds in enumerate(costs.backward_seconds):
         for t in sorted(reloads.get(j, ()), key=lambda t: t.need_at):
             c = copies[t.root]
-            c.reload_start, c.reload_end = streams.enqueue(
-                h2d_free, c.offload_end, costs.reload_seconds(t.nbytes)
+            c.reload_start, c.reload_end = streams.issue(
+                host_to_device, c.offload_end, costs.reload_seconds(t.nbytes)
             )
-            h2d_free = c.reload_end
         for t in needs.get(j, ()):
             copies[t.root].stall += streams.wait_for(copies[t.root].reload_end)
         backward_starts.append(streams.clock)
