@@ -27,6 +27,8 @@ class Entry:
     make_model: Callable[[], nn.Module]
     make_batch: Callable[[int], Batch]
     loss: Callable[[nn.Module, Batch], torch.Tensor]
+    requires: str | None = None
+    """A package the model comes from, skipped without it."""
 
     def model(self) -> nn.Module:
         torch.manual_seed(0)
@@ -111,6 +113,9 @@ def qwen2_gqa() -> nn.Module:
 
 
 def mixtral() -> nn.Module:
+    """Routing decides values only: transformers' default experts (``grouped_mm``) sort the
+    tokens by expert, so shapes stay static; its ``"eager"`` experts take ``nonzero`` per
+    expert and break the graph at each."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     config = MixtralConfig(
@@ -135,6 +140,8 @@ def gpt2() -> nn.Module:
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
         attn_implementation="sdpa",
     )
     return GPT2LMHeadModel(config)
@@ -165,8 +172,8 @@ def t5() -> nn.Module:
         d_model=64,
         d_kv=16,
         d_ff=128,
-        num_layers=2,
-        num_decoder_layers=2,
+        num_layers=1,
+        num_decoder_layers=1,
         num_heads=4,
         dropout_rate=0.0,
         pad_token_id=0,
@@ -197,9 +204,9 @@ class BasicBlock(nn.Module):
 
 
 class ResNet(nn.Module):
-    """ResNet-18's layout (two basic blocks a stage) at small widths."""
+    """ResNet-18's stem, stages and head at small widths, one basic block a stage."""
 
-    def __init__(self, widths: tuple[int, ...] = (8, 16, 32, 64), depth: int = 2) -> None:
+    def __init__(self, widths: tuple[int, ...] = (8, 16, 32, 64), depth: int = 1) -> None:
         super().__init__()
         self.stem = nn.Sequential(
             nn.Conv2d(3, widths[0], 7, 2, 3, bias=False),
@@ -256,12 +263,12 @@ class ViT(nn.Module):
 
 
 ZOO: dict[str, Entry] = {
-    "llama": Entry(llama, causal_lm_batch, hf_loss),
-    "qwen2_gqa": Entry(qwen2_gqa, causal_lm_batch, hf_loss),
-    "gpt2": Entry(gpt2, causal_lm_batch, hf_loss),
-    "bert": Entry(bert, masked_lm_batch, hf_loss),
-    "t5": Entry(t5, seq2seq_batch, hf_loss),
-    "mixtral": Entry(mixtral, causal_lm_batch, hf_loss),
+    "llama": Entry(llama, causal_lm_batch, hf_loss, "transformers"),
+    "qwen2_gqa": Entry(qwen2_gqa, causal_lm_batch, hf_loss, "transformers"),
+    "gpt2": Entry(gpt2, causal_lm_batch, hf_loss, "transformers"),
+    "bert": Entry(bert, masked_lm_batch, hf_loss, "transformers"),
+    "t5": Entry(t5, seq2seq_batch, hf_loss, "transformers"),
+    "mixtral": Entry(mixtral, causal_lm_batch, hf_loss, "transformers"),
     "resnet": Entry(channels_last_resnet, channels_last_image_batch, classifier_loss),
     "vit": Entry(ViT, image_batch, classifier_loss),
 }
