@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -31,22 +32,43 @@ def _module_paths(gm: torch.fx.GraphModule) -> set[str]:
 
 
 class OffloadBackend:
-    """Pass to ``torch.compile(model, backend=...)``; keeps one :class:`Plan` per chunk."""
+    """Pass to ``torch.compile(model, backend=...)``; keeps the :class:`Plan` of each graph
+    it compiled, one per Dynamo compile id."""
 
     def __init__(self, options: OffloadOptions) -> None:
         self.options = options
-        self.plans: list[Plan] = []
+        self._compiled: dict[str, tuple[types.CodeType | None, Plan]] = {}
+
+    @property
+    def plans(self) -> list[Plan]:
+        """One plan per compiled graph, oldest first. A graph compiled again under the
+        same Dynamo compile id (after ``torch.compiler.reset()``) replaces its plan, and
+        :func:`set_fraction` removes the plans of the frames it makes compile again."""
+        return [plan for _, plan in self._compiled.values()]
+
+    def reset(self) -> None:
+        """Forget every plan; Dynamo calls this when it discards all compiled code."""
+        self._compiled.clear()
+
+    def discard_frame(self, code: types.CodeType) -> None:
+        """Forget the plans of the graphs compiled for ``code``."""
+        self._compiled = {k: v for k, v in self._compiled.items() if v[0] is not code}
 
     def partitioner_for(self, gm: torch.fx.GraphModule) -> OffloadPartitioner:
-        """The partitioner for one Dynamo graph; its plan is appended to ``plans``."""
+        """The partitioner for one Dynamo graph; its plan is added to ``plans``."""
         self.options.check_patterns_match(_module_paths(gm))
         code = _compat.frame_code_being_compiled()
         if code is not None:
             module_ids = {i for n in gm.graph.nodes for _, i in _compat.module_stack(n)}
-            record_compiled_frame(code, module_ids - {None})
-        name = f"chunk {gm.meta.get('dynamo_compile_id', len(self.plans))}"
+            record_compiled_frame(code, module_ids - {None}, self.discard_frame)
+        name = f"chunk {gm.meta.get('dynamo_compile_id', len(self._compiled))}"
         rule = self.options.fraction_rule()
-        return OffloadPartitioner(self.options, rule, name, self.plans.append)
+
+        def keep(plan: Plan) -> None:
+            self._compiled.pop(name, None)
+            self._compiled[name] = (code, plan)
+
+        return OffloadPartitioner(self.options, rule, name, keep)
 
     def __call__(
         self,

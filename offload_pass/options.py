@@ -7,7 +7,7 @@ import fnmatch
 import os
 import types
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Literal
 
 import torch
@@ -175,11 +175,18 @@ _overrides: weakref.WeakKeyDictionary[torch.nn.Module, float] = weakref.WeakKeyD
 _compiled_frames: dict[types.CodeType, set[int]] = {}
 """Each frame compiled with an offload backend, and the ids of the modules its graphs
 ran (ids of dead modules may linger: they only cost a needless recompile)."""
+_frame_listeners: dict[types.CodeType, list[weakref.WeakMethod]] = {}
 
 
-def record_compiled_frame(code: types.CodeType, module_ids: Iterable[int]) -> None:
-    """Note that ``code``'s compiled graphs plan the modules ``module_ids``."""
+def record_compiled_frame(
+    code: types.CodeType,
+    module_ids: Iterable[int],
+    on_discard: Callable[[types.CodeType], None],
+) -> None:
+    """Note that ``code``'s compiled graphs plan the modules ``module_ids``, and that
+    ``on_discard`` (a bound method, held weakly) is to hear when that code is discarded."""
     _compiled_frames.setdefault(code, set()).update(module_ids)
+    _frame_listeners.setdefault(code, []).append(weakref.WeakMethod(on_discard))
 
 
 def set_fraction(module: torch.nn.Module, fraction: float) -> None:
@@ -196,6 +203,9 @@ def set_fraction(module: torch.nn.Module, fraction: float) -> None:
     for code, module_ids in _compiled_frames.items():
         if id(module) in module_ids:
             _compat.discard_compiled_code(code)
+            listeners = [ref() for ref in _frame_listeners.pop(code, [])]
+            for listener in dict.fromkeys(filter(None, listeners)):
+                listener(code)
 
 
 def fraction_overrides() -> dict[int, float]:

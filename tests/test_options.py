@@ -46,8 +46,9 @@ def test_set_fraction_changes_the_next_plan():
     assert _moved_modules(backend.plans[-1]) == {"0", "1"}
 
     offload_pass.set_fraction(model.blocks[0], 0.0)
+    assert backend.plans == [], "the discarded graph's plan leaves with it"
     second = train_step(compiled, x)
-    assert len(backend.plans) == 2
+    assert len(backend.plans) == 1
     assert _moved_modules(backend.plans[-1]) == {"1"}
     for name in first[1]:
         assert torch.equal(first[1][name], second[1][name])
@@ -205,9 +206,20 @@ def test_set_fraction_keeps_other_models_compiled():
     compiled_stack = torch.compile(stack, backend=planned_stack)
     compiled_mlp = torch.compile(mlp, backend=planned_mlp)
     x = torch.randn(2, 16, 32)
-    for _ in range(2):
-        train_step(compiled_stack, x)
-        train_step(compiled_mlp, x)
-        offload_pass.set_fraction(stack.blocks[0], 0.0)
-    assert len(planned_stack.plans) == 2, "the stack plans again with its new share"
-    assert len(planned_mlp.plans) == 1, "the other model keeps its compiled code"
+    train_step(compiled_stack, x)
+    train_step(compiled_mlp, x)
+    first_stack, first_mlp = planned_stack.plans, planned_mlp.plans
+    offload_pass.set_fraction(stack.blocks[0], 0.0)
+    train_step(compiled_stack, x)
+    train_step(compiled_mlp, x)
+    assert len(planned_stack.plans) == 1 and planned_stack.plans != first_stack, "planned again"
+    assert planned_mlp.plans == first_mlp, "the other model keeps its compiled code"
+
+
+def test_plans_do_not_pile_up_across_resets():
+    backend = offload_pass.backend(fraction=1.0, min_bytes=0, compiler="eager")
+    compiled = torch.compile(models.MLP(32), backend=backend)
+    for _ in range(3):
+        train_step(compiled, torch.randn(2, 16, 32))
+        assert len(backend.plans) == 1
+        torch.compiler.reset()
