@@ -20,7 +20,9 @@ class DeviceProfile:
     """Sustained rates of one device. Bandwidths in bytes/s, rates in FLOP/s.
 
     ``copies_overlap_compute`` is False where copies run on the compute thread (CPU):
-    every copy then adds its whole duration to the step.
+    every copy then adds its whole duration to the step. ``both_directions`` (both
+    copies at once, in total) is reported, not planned with: within one step a chunk's
+    offloads run in forward and its reloads in backward, never at once.
     """
 
     name: str
