@@ -46,10 +46,6 @@ class OffloadBackend:
         :func:`set_fraction` removes the plans of the frames it makes compile again."""
         return [plan for _, plan in self._compiled.values()]
 
-    def reset(self) -> None:
-        """Forget every plan; Dynamo calls this when it discards all compiled code."""
-        self._compiled.clear()
-
     def discard_frame(self, code: types.CodeType) -> None:
         """Forget the plans of the graphs compiled for ``code``."""
         self._compiled = {k: v for k, v in self._compiled.items() if v[0] is not code}

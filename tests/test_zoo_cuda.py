@@ -8,8 +8,6 @@ import copy
 
 import pytest
 import torch
-from torch import nn
-from torch.fx.experimental.symbolic_shapes import free_symbols
 
 import offload_pass
 from tests import zoo
@@ -27,32 +25,10 @@ CASES = {
     "vit": zoo.ZOO["vit"],
 }
 SETTINGS = {"fraction_1": {"fraction": 1.0}, "auto": {}}
-STEPS = 3
-FLOOR_ULPS = 4
-
-Step = dict[str, torch.Tensor]
-
-
-def _train(model: nn.Module, entry: zoo.Entry, backend: object) -> list[Step]:
-    compiled = torch.compile(model, backend=backend)
-    steps = []
-    for k in range(STEPS):
-        batch = {name: value.cuda() for name, value in entry.make_batch(k).items()}
-        loss = entry.loss(compiled, batch)
-        loss.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        steps.append({"loss": loss.detach(), **grads})
-        model.zero_grad(set_to_none=True)
-    torch.compiler.reset()
-    return steps
-
-
-def _largest_error(a: list[Step], b: list[Step]) -> list[Step]:
-    return [{k: (x[k] - y[k]).abs().max() for k in x} for x, y in zip(a, b, strict=True)]
 
 
 @pytest.fixture(scope="module")
-def stock_runs() -> dict[str, tuple[list[Step], list[Step]]]:
+def stock_runs() -> dict[str, tuple[list[zoo.Step], list[zoo.Step]]]:
     """Per model: stock Inductor's steps, and how far stock aot_eager's are from them."""
     return {}
 
@@ -65,24 +41,14 @@ def test_zoo_model_trains_on_cuda_like_stock_inductor(name, setting, stock_runs)
         pytest.importorskip(entry.requires)
     model = entry.model().cuda()
     if name not in stock_runs:
-        stock = _train(copy.deepcopy(model), entry, "inductor")
-        other_stock = _train(copy.deepcopy(model), entry, "aot_eager")
-        stock_runs[name] = stock, _largest_error(other_stock, stock)
+        stock = zoo.train(copy.deepcopy(model), entry, "inductor", "cuda")
+        other_stock = zoo.train(copy.deepcopy(model), entry, "aot_eager", "cuda")
+        stock_runs[name] = stock, zoo.largest_error(other_stock, stock)
     stock, spread = stock_runs[name]
     backend = offload_pass.backend(min_bytes=0, **SETTINGS[setting])
-    offloaded = _train(copy.deepcopy(model), entry, backend)
+    offloaded = zoo.train(copy.deepcopy(model), entry, backend, "cuda")
 
-    error = _largest_error(offloaded, stock)
-    for k, (step_error, step_spread, expected) in enumerate(zip(error, spread, stock, strict=True)):
-        assert step_error.keys() == step_spread.keys()
-        for key, value in step_error.items():
-            floor = FLOOR_ULPS * torch.finfo(expected[key].dtype).eps * expected[key].abs().max()
-            assert value <= step_spread[key] + floor, (k, key, value, step_spread[key])
+    zoo.assert_within(offloaded, stock, spread)
     if "fraction" in SETTINGS[setting]:
-        moved = {_symbolic(plan) for plan in backend.plans if plan.moved}
+        moved = {zoo.compiled_symbolically(plan) for plan in backend.plans if plan.bytes_moved}
         assert moved == {False, True}, "nothing moved in the static or the symbolic compile"
-
-
-def _symbolic(plan: offload_pass.Plan) -> bool:
-    inputs = plan.forward.graph.find_nodes(op="placeholder")
-    return any(free_symbols(node.meta.get("val")) for node in inputs)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.fx.experimental.symbolic_shapes import free_symbols
 
 Batch = dict[str, torch.Tensor]
 
@@ -272,3 +273,46 @@ ZOO: dict[str, Entry] = {
     "resnet": Entry(channels_last_resnet, channels_last_image_batch, classifier_loss),
     "vit": Entry(ViT, image_batch, classifier_loss),
 }
+
+
+STEPS = 3
+FLOOR_ULPS = 4
+"""The least tolerance, in float32 roundings at a tensor's largest magnitude."""
+
+Step = dict[str, torch.Tensor]
+"""A step's loss (under "loss") and every parameter's gradient (under its name)."""
+
+
+def train(model: nn.Module, entry: Entry, backend: object, device: str = "cpu") -> list[Step]:
+    """``STEPS`` steps of ``model`` compiled with ``backend``, the batch changing size."""
+    compiled = torch.compile(model, backend=backend)
+    steps = []
+    for k in range(STEPS):
+        batch = {name: value.to(device) for name, value in entry.make_batch(k).items()}
+        loss = entry.loss(compiled, batch)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        steps.append({"loss": loss.detach(), **grads})
+        model.zero_grad(set_to_none=True)
+    torch.compiler.reset()
+    return steps
+
+
+def largest_error(a: list[Step], b: list[Step]) -> list[Step]:
+    return [{k: (x[k] - y[k]).abs().max() for k in x} for x, y in zip(a, b, strict=True)]
+
+
+def assert_within(steps: list[Step], stock: list[Step], spread: list[Step]) -> None:
+    """Each tensor no further from ``stock`` than ``spread`` allows, plus the floor."""
+    errors = largest_error(steps, stock)
+    for k, (error, allowed, expected) in enumerate(zip(errors, spread, stock, strict=True)):
+        assert error.keys() == expected.keys()
+        for key, value in error.items():
+            floor = FLOOR_ULPS * torch.finfo(expected[key].dtype).eps * expected[key].abs().max()
+            assert value <= allowed[key] + floor, (k, key, value.item(), allowed[key].item())
+
+
+def compiled_symbolically(plan: object) -> bool:
+    """Whether a plan's chunk was compiled with symbolic sizes."""
+    inputs = plan.forward.graph.find_nodes(op="placeholder")
+    return any(free_symbols(node.meta.get("val")) for node in inputs)
