@@ -119,3 +119,14 @@ def test_peak_memory_reordering_is_off_only_in_graphs_with_transfers(monkeypatch
         assert _compat.inductor_graph_compiler(lambda graph: True)(None, []) == "compiled"
         assert _compat.inductor_graph_compiler(lambda graph: False)(None, []) == "compiled"
     assert seen == [False, True]
+
+
+def test_inductor_config_of_a_mode_and_options():
+    config = _compat.inductor_config("max-autotune-no-cudagraphs", None)
+    assert config["max_autotune"] is True
+    assert _compat.inductor_config(None, {"epilogue_fusion": False}) == {"epilogue_fusion": False}
+    assert _compat.inductor_config(None, None) == {}
+
+
+def test_no_frame_is_being_compiled_outside_dynamo():
+    assert _compat.frame_code_being_compiled() is None
