@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 import re
 
 import pytest
@@ -12,6 +13,7 @@ from torch._inductor.utils import run_and_get_code
 
 import offload_pass
 from offload_pass import ops
+from offload_pass.graphs import is_view
 from offload_pass.profiles import BUILT_IN
 from tests import models
 from tests.conftest import compiled_pair, train_step
@@ -172,3 +174,56 @@ def test_inductor_issues_each_transfer_where_the_plan_placed_it():
     assert _code_matmuls_before(backward_code, "offload_pass.reload.default(") == reloads
     waits = _matmuls_before(plan.forward.graph, ops.OFFLOAD_WAIT)
     assert sorted(_code_matmuls_before(forward_code, "offload_wait.default(")) == sorted(waits)
+
+
+_FUSED = {torch.Tag.pointwise, torch.Tag.reduction}
+
+
+def _computed_in_kernels(node: torch.fx.Node) -> bool:
+    """A pointwise op or reduction, or one result of one: Inductor fuses it."""
+    op = node.args[0].target if node.target is operator.getitem else node.target
+    return isinstance(op, torch._ops.OpOverload) and bool(_FUSED & set(op.tags))
+
+
+def _readers(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes reading ``node``'s value, through views, other than transfer ops."""
+    found = []
+    for user in node.users:
+        if is_view(user) and user.args[0] is node:
+            found += _readers(user)
+        elif user.target not in ops.TRANSFERS:
+            found.append(user)
+    return found
+
+
+def _written_anyway(node: torch.fx.Node) -> bool:
+    """Whether compiled code writes ``node``'s value to memory with no transfer reading it:
+    a kernel that is not fused makes it, or a graph output or an unfused kernel reads it."""
+    readers = _readers(node)
+    if any(u.target is torch.ops.aten.copy_.default for u in readers):
+        return False
+    if not _computed_in_kernels(node):
+        return True
+    return any(u.op == "output" or not _computed_in_kernels(u) for u in readers)
+
+
+def test_ordering_tokens_are_values_the_compiled_code_writes_anyway():
+    """A wait's tokens never make Inductor write out a value it would keep inside a kernel
+    (a batch norm's variance), or a running statistic it writes in place."""
+    from tests import zoo
+
+    entry = zoo.ZOO["resnet"]
+    backend = offload_pass.backend(fraction=1.0, min_bytes=0)
+    compiled = torch.compile(entry.model(), backend=backend)
+    entry.loss(compiled, entry.make_batch(0)).backward()
+    tokens = [
+        t
+        for plan in backend.plans
+        for graph in (plan.forward.graph, plan.backward.graph)
+        for n in graph.nodes
+        if n.target in (ops.OFFLOAD_WAIT, ops.RELOAD)
+        for t in n.args[-1]
+        if t.target not in ops.TICKETS
+    ]
+    assert tokens
+    assert [t.name for t in tokens if not _written_anyway(t)] == []
