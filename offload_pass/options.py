@@ -59,10 +59,9 @@ class OffloadOptions:
     def __post_init__(self) -> None:
         if self.fraction is not None and self.memory_budget is not None:
             raise ValueError("give either fraction or memory_budget, not both")
-        if isinstance(self.min_bytes, bool) or not isinstance(self.min_bytes, int):
-            raise ValueError(f"min_bytes must be a non-negative int, got {self.min_bytes!r}")
-        if self.min_bytes < 0:
-            raise ValueError(f"min_bytes must be a non-negative int, got {self.min_bytes!r}")
+        min_bytes = self.min_bytes
+        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+            raise ValueError(f"min_bytes must be a non-negative int, got {min_bytes!r}")
         if self.compiler not in COMPILERS:
             raise ValueError(f"compiler must be one of {COMPILERS}, got {self.compiler!r}")
         checked = {
@@ -186,7 +185,10 @@ def record_compiled_frame(
     """Note that ``code``'s compiled graphs plan the modules ``module_ids``, and that
     ``on_discard`` (a bound method, held weakly) is to hear when that code is discarded."""
     _compiled_frames.setdefault(code, set()).update(module_ids)
-    _frame_listeners.setdefault(code, []).append(weakref.WeakMethod(on_discard))
+    listeners = _frame_listeners.setdefault(code, [])
+    listener = weakref.WeakMethod(on_discard)
+    if listener not in listeners:  # one per backend, however often the frame recompiles
+        listeners.append(listener)
 
 
 def set_fraction(module: torch.nn.Module, fraction: float) -> None:

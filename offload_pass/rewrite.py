@@ -111,13 +111,15 @@ def _resolve(
 
 
 def _wait_tokens(
-    site: _Sites, readers: Sequence[torch.fx.Node], tickets: dict[torch.fx.Node, torch.fx.Node]
+    site: _Sites,
+    readers: Sequence[torch.fx.Node],
+    tickets: dict[torch.fx.Node, torch.fx.Node],
+    order: dict[torch.fx.Node, int],
 ) -> list[torch.fx.Node]:
     """What an offload_wait must come after: every kernel reading the storage, and the
     point the planner chose. (Depending on the readers' results keeps a compiler from
     computing a fused read after the wait.) A moved storage stands in by its ticket, so
-    its own wait stays its last use."""
-    order = {n: i for i, n in enumerate(site.wait_after.graph.nodes)}
+    its own wait stays its last use. ``order``: each forward node's position."""
     tensors = [_as_tensor(r) for r in readers]
     candidates = [t for t in [*tensors, *_token_before(site.wait_after)] if t is not None]
     found = [tickets.get(t, t) for t in candidates]
@@ -138,7 +140,8 @@ def rewrite_forward(
     for s in sites:
         with graph.inserting_after(s.root):
             tickets[s.root] = _add_node(graph, ops.OFFLOAD, (s.root, layouts[s.root]), s.root)
-    tokens = {s.root: _wait_tokens(s, readers[s.root], tickets) for s in sites}
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    tokens = {s.root: _wait_tokens(s, readers[s.root], tickets, order) for s in sites}
     host: dict[torch.fx.Node, torch.fx.Node] = {}
     for s in reversed(sites):
         anchor = tickets.get(s.wait_after, s.wait_after)
