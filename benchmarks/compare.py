@@ -205,6 +205,8 @@ COLUMNS = (
     ("peak_bytes", "peak GiB", "gib"),
     ("held_bytes", "held GiB", "gib"),
     ("bytes_moved", "moved GiB", "gib"),
+    ("peak_saved_bytes", "saved GiB", "gib"),
+    ("predicted_peak_saved_bytes", "pred saved GiB", "gib"),
     ("offload_efficiency", "efficiency", "{:.3f}"),
     ("bound_ratio", "bound ratio", "{:.3f}"),
     ("predicted_step_ms", "pred ms", "{:.1f}"),
@@ -295,7 +297,7 @@ def run_workload(
     shared: dict[str, Any] = {}
     results = []
     for config in chosen:
-        result = measure(config, workload, device, steps, shared)
+        result = measure(config, lambda: workloads.build(workload, device), device, steps, shared)
         if config.name == "offload_pass auto" and result.ok:
             shared["moved_names"] = set(result.moved_names)
         print(f"{name} {config.name}: {result.status}, step {result.step_ms} ms", flush=True)

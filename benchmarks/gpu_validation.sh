@@ -3,6 +3,7 @@
 #   compare     the side-by-side benchmark on W1 and W2 (22 minutes in run 17)
 #   cuda-tests  every test marked cuda (stalled copy streams, the model zoo on CUDA, ...)
 #   zoo         only the model zoo's CUDA tests
+#   zoo-bench   the model-zoo benchmark (benchmarks/zoo.py; $ZOO_MODELS picks models)
 #   example     the main example
 #   breakdown   what is alive at the measured peak of W2's auto and three W1 configurations
 # With no argument every step but zoo runs (cuda-tests holds it); `--only STEP [STEP ...]`
@@ -28,8 +29,12 @@ for step in "${steps[@]}"; do
             | tee "$out/pytest.log" || status=$?
         ;;
     zoo)
-        python -m pytest -q -p no:logging -p no:cacheprovider -m cuda -rs tests/test_zoo.py \
+        python -m pytest -q -p no:logging -p no:cacheprovider -m cuda -rs tests/test_zoo_cuda.py \
             2>&1 | tee "$out/zoo.log" || status=$?
+        ;;
+    zoo-bench)
+        python -m benchmarks.zoo --out "$out" ${ZOO_MODELS:+--models $ZOO_MODELS} 2>&1 \
+            | tee "$out/zoo_bench.log"
         ;;
     example)
         python examples/train_gpt.py --steps 8 2>&1 | tee "$out/train_gpt_auto.log"

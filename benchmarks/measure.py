@@ -6,13 +6,13 @@ import dataclasses
 import gc
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 import offload_pass
 from benchmarks.configs import Config, Unavailable
-from benchmarks.workloads import Workload, build
 
 FIRST_TIMED_STEP = 2  # benchmarks/README.md: the median of steps 3..8
 
@@ -32,6 +32,7 @@ class Measurement:
     predicted_step_ms: float | None = None
     predicted_forward_ms: float | None = None
     predicted_peak_bytes: int | None = None
+    predicted_peak_saved_bytes: int | None = None
     moved_names: tuple[str, ...] = ()
 
     @property
@@ -55,8 +56,8 @@ def _pinned_allocations() -> int | None:
     return stats.get("num_host_alloc", stats.get("allocations.allocated"))
 
 
-def _run_step(forward: Any, x: torch.Tensor) -> _Step:
-    cuda = x.device.type == "cuda"
+def _run_step(forward: Any, x: Any, device: torch.device) -> _Step:
+    cuda = device.type == "cuda"
     moved_before = offload_pass.counts().bytes_offloaded
     if cuda:
         torch.cuda.synchronize()
@@ -86,20 +87,30 @@ def _run_step(forward: Any, x: torch.Tensor) -> _Step:
 
 
 def _predictions(shared: dict[str, Any]) -> dict[str, Any]:
+    """What the plans predict, where they cover the whole step: one chunk's plan run once
+    per block covers only that block (``shared["whole_step"]`` False)."""
     backend = shared.get("backend")
     if backend is None or not backend.plans:
         return {}
     plans = backend.plans
+    if not shared.get("whole_step", True):
+        return {"moved_names": tuple(d.group.root for p in plans for d in p.moved)}
     return {
         "predicted_step_ms": sum(p.prediction.step_seconds for p in plans) * 1e3,
         "predicted_forward_ms": sum(p.prediction.forward_seconds for p in plans) * 1e3,
         "predicted_peak_bytes": max(p.prediction.peak_bytes for p in plans),
+        "predicted_peak_saved_bytes": max(p.prediction.baseline_peak_bytes for p in plans)
+        - max(p.prediction.peak_bytes for p in plans),
         "moved_names": tuple(d.group.root for p in plans for d in p.moved),
     }
 
 
+Build = Callable[[], tuple[torch.nn.Module, Any]]
+"""A fresh model and the batch each step feeds it."""
+
+
 def measure(
-    config: Config, workload: Workload, device: torch.device, steps: int, shared: dict[str, Any]
+    config: Config, build: Build, device: torch.device, steps: int, shared: dict[str, Any]
 ) -> Measurement:
     if config.cuda_only and device.type != "cuda":
         return Measurement(config.name, config.family, "needs a CUDA device")
@@ -108,9 +119,10 @@ def measure(
     if device.type == "cuda":
         torch.cuda.empty_cache()
     torch.manual_seed(0)
-    model, x = build(workload, device)
     shared.pop("backend", None)
+    shared.pop("whole_step", None)
     try:
+        model, x = build()
         forward = config.prepare(model, shared)
         records = []
         pinned = None
@@ -118,7 +130,7 @@ def measure(
         for step in range(steps):
             if step == FIRST_TIMED_STEP:
                 pinned = _pinned_allocations()
-            records.append(_run_step(forward, x))
+            records.append(_run_step(forward, x, device))
             model.zero_grad(set_to_none=True)
             if step == 0:
                 first_step = time.perf_counter() - started

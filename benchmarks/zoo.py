@@ -1,0 +1,400 @@
+"""The model zoo on a GPU: real architectures, each beside its stock compile in one process;
+a markdown table and a JSON file under --out, in the format of ``benchmarks.compare``.
+
+    python -m benchmarks.zoo                                    # every model and config
+    python -m benchmarks.zoo --models llama gpt2 --configs compiled "offload_pass auto"
+
+Each model is built from a config with random weights (bf16, SDPA, the loss computed
+inside the model) and runs compiled whole: stock, offload_pass ``auto``, fraction 0.5,
+memory budget 0.7, and torch's ``activation_memory_budget`` 0.7. The language models also
+run compiled per block (each decoder layer compiled in place on its own, as torchtitan
+and accelerate's regional compilation do); their rows form a workload of their own, whose
+baseline is the stock per-block compile. On a CPU every model is tiny: that checks the
+harness, not the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import offload_pass
+from benchmarks import compare
+from benchmarks.configs import Config, Forward, Unavailable
+from benchmarks.measure import Measurement, measure
+
+GiB = 2**30
+RATIO_LIMIT = 1.03
+SAVING_SHARE = 0.8
+PREDICTION_LIMIT = 0.10
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """A language model's dimensions and batch; a vision model reads ``batch`` alone."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    batch: int
+    seq: int
+
+
+class LanguageModelLoss(nn.Module):
+    """An HF causal LM whose forward takes the batch and returns the model's own loss."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.model(**batch).loss
+
+
+class ClassifierLoss(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return F.cross_entropy(self.model(batch["pixels"]).float(), batch["labels"])
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as error:
+        raise Unavailable(f"transformers does not import here: {error}") from error
+    return transformers
+
+
+def _llama(s: Sizes) -> nn.Module:
+    t = _transformers()
+    config = t.LlamaConfig(
+        vocab_size=s.vocab,
+        hidden_size=s.hidden,
+        intermediate_size=s.intermediate,
+        num_hidden_layers=s.layers,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads,
+        max_position_embeddings=s.seq,
+    )
+    return t.LlamaForCausalLM(config)
+
+
+def _qwen2(s: Sizes) -> nn.Module:
+    t = _transformers()
+    config = t.Qwen2Config(
+        vocab_size=s.vocab,
+        hidden_size=s.hidden,
+        intermediate_size=s.intermediate,
+        num_hidden_layers=s.layers,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads,
+        max_position_embeddings=s.seq,
+    )
+    return t.Qwen2ForCausalLM(config)
+
+
+def _gpt2(s: Sizes) -> nn.Module:
+    t = _transformers()
+    config = t.GPT2Config(
+        vocab_size=s.vocab, n_embd=s.hidden, n_layer=s.layers, n_head=s.heads, n_positions=s.seq
+    )
+    return t.GPT2LMHeadModel(config)
+
+
+def _mixtral(s: Sizes) -> nn.Module:
+    t = _transformers()
+    config = t.MixtralConfig(
+        vocab_size=s.vocab,
+        hidden_size=s.hidden,
+        intermediate_size=s.intermediate,
+        num_hidden_layers=s.layers,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=s.seq,
+    )
+    return t.MixtralForCausalLM(config)
+
+
+def _vit(s: Sizes) -> nn.Module:
+    try:
+        from torchvision.models import VisionTransformer
+    except ImportError as error:
+        raise Unavailable(f"torchvision does not import here: {error}") from error
+    image = 224 if s.hidden >= 256 else 32
+    patch = 16 if image == 224 else 8
+    return VisionTransformer(
+        image, patch, s.layers, s.heads, s.hidden, s.intermediate, num_classes=1000
+    )
+
+
+def _tokens(s: Sizes, device: torch.device) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, s.vocab, (s.batch, s.seq), generator=gen).to(device)
+    return {"input_ids": ids, "labels": ids}
+
+
+def _images(s: Sizes, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    image = 224 if s.hidden >= 256 else 32
+    pixels = torch.randn(s.batch, 3, image, image, generator=gen).to(device, dtype)
+    return {
+        "pixels": pixels,
+        "labels": torch.randint(0, 1000, (s.batch,), generator=gen).to(device),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class ZooModel:
+    """One architecture at GPU and CPU sizes; ``blocks``: where its decoder layers are
+    (for per-block compilation), None for a model that is only compiled whole."""
+
+    name: str
+    make: Callable[[Sizes], nn.Module]
+    gpu: Sizes
+    cpu: Sizes
+    blocks: Callable[[nn.Module], nn.ModuleList] | None
+
+    def build(self, device: torch.device) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+        sizes = self.gpu if device.type == "cuda" else self.cpu
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        model = self.make(sizes).to(device=device, dtype=dtype)
+        if self.make is _vit:
+            return ClassifierLoss(model), _images(sizes, device, dtype)
+        model.config._attn_implementation = "sdpa"
+        return LanguageModelLoss(model), _tokens(sizes, device)
+
+
+def _decoder_layers(task: nn.Module) -> nn.ModuleList:
+    return task.model.model.layers
+
+
+def _gpt2_blocks(task: nn.Module) -> nn.ModuleList:
+    return task.model.transformer.h
+
+
+TINY = Sizes(64, 2, 4, 2, 128, 256, 2, 32)
+MODELS = {
+    m.name: m
+    for m in (
+        ZooModel(
+            "llama", _llama, Sizes(2048, 8, 16, 16, 5632, 32000, 2, 4096), TINY, _decoder_layers
+        ),
+        ZooModel(
+            "qwen2_gqa", _qwen2, Sizes(2048, 8, 16, 2, 5632, 32000, 2, 4096), TINY, _decoder_layers
+        ),
+        ZooModel("gpt2", _gpt2, Sizes(1024, 12, 16, 16, 4096, 50257, 8, 1024), TINY, _gpt2_blocks),
+        ZooModel(
+            "llama_16k",
+            _llama,
+            Sizes(2048, 4, 16, 16, 5632, 32000, 1, 16384),
+            TINY,
+            _decoder_layers,
+        ),
+        ZooModel(
+            "mixtral", _mixtral, Sizes(1024, 4, 16, 8, 1792, 32000, 2, 2048), TINY, _decoder_layers
+        ),
+        ZooModel("vit_b16", _vit, Sizes(768, 12, 12, 12, 3072, 1000, 64, 0), TINY, None),
+    )
+}
+
+
+def _stock(task: nn.Module, shared: dict[str, Any]) -> Forward:
+    return torch.compile(task)
+
+
+def _ours(**options: Any) -> Callable[[nn.Module, dict[str, Any]], Forward]:
+    def prepare(task: nn.Module, shared: dict[str, Any]) -> Forward:
+        shared["backend"] = offload_pass.backend(**options)
+        return torch.compile(task, backend=shared["backend"])
+
+    return prepare
+
+
+def _partitioner_budget(task: nn.Module, shared: dict[str, Any]) -> Forward:
+    compiled = torch.compile(task)
+
+    def run(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with torch._functorch.config.patch(activation_memory_budget=0.7):
+            return compiled(batch)
+
+    return run
+
+
+BlockBackend = Callable[[dict[str, Any]], Any]
+"""The backend every block of one run compiles with (one object, so its plans add up)."""
+
+
+def _stock_blocks(shared: dict[str, Any]) -> Any:
+    return "inductor"
+
+
+def _our_blocks(**options: Any) -> BlockBackend:
+    def make(shared: dict[str, Any]) -> Any:
+        shared["backend"] = offload_pass.backend(**options)
+        shared["whole_step"] = False
+        return shared["backend"]
+
+    return make
+
+
+def _per_block(
+    blocks: Callable[[nn.Module], nn.ModuleList], backend: BlockBackend
+) -> Callable[[nn.Module, dict[str, Any]], Forward]:
+    """Each block compiled in place; the rest of the model runs eagerly."""
+
+    def prepare(task: nn.Module, shared: dict[str, Any]) -> Forward:
+        chosen = backend(shared)
+        for block in blocks(task):
+            block.compile(backend=chosen)
+        return task
+
+    return prepare
+
+
+def whole_configs() -> list[Config]:
+    return [
+        Config("compiled", "no offload", _stock),
+        Config("offload_pass auto", "offload_pass", _ours()),
+        Config("offload_pass fraction 0.5", "offload_pass", _ours(fraction=0.5)),
+        Config("offload_pass budget 0.7", "offload_pass", _ours(memory_budget=0.7)),
+        Config("memory_budget 0.7", "memory_budget", _partitioner_budget),
+    ]
+
+
+def per_block_configs(blocks: Callable[[nn.Module], nn.ModuleList]) -> list[Config]:
+    return [
+        Config("compiled", "no offload", _per_block(blocks, _stock_blocks)),
+        Config("offload_pass auto", "offload_pass", _per_block(blocks, _our_blocks())),
+        Config(
+            "offload_pass fraction 0.5",
+            "offload_pass",
+            _per_block(blocks, _our_blocks(fraction=0.5)),
+        ),
+    ]
+
+
+def check_targets(rows: list[dict[str, Any]]) -> list[str]:
+    """Issue targets for one model: auto's ratio, saving, peak and predictions."""
+    base = next((r for r in rows if r["config"] == "compiled" and r["status"] == "ok"), None)
+    auto = next((r for r in rows if r["config"] == "offload_pass auto"), None)
+    if base is None or auto is None or auto["status"] != "ok" or auto.get("peak_bytes") is None:
+        return ["auto or the stock compile did not run with memory figures: not checked"]
+    lines = [
+        _verdict(
+            f"auto step ratio {auto['step_ratio']:.3f}",
+            auto["step_ratio"] <= RATIO_LIMIT,
+            f"<= {RATIO_LIMIT}",
+        ),
+        _verdict(
+            f"auto peak {auto['peak_bytes'] / GiB:.2f} GiB against stock "
+            f"{base['peak_bytes'] / GiB:.2f}",
+            auto["peak_bytes"] <= base["peak_bytes"],
+            "never above stock",
+        ),
+    ]
+    predicted = auto.get("predicted_peak_saved_bytes")
+    if predicted:
+        share = auto["peak_saved_bytes"] / predicted
+        lines.append(
+            _verdict(
+                f"auto saves {auto['peak_saved_bytes'] / GiB:.2f} GiB of the "
+                f"{predicted / GiB:.2f} predicted ({share:.0%})",
+                share >= SAVING_SHARE,
+                f">= {SAVING_SHARE:.0%}",
+            )
+        )
+    elif auto["bytes_moved"]:
+        lines.append(
+            f"auto moves {auto['bytes_moved'] / GiB:.2f} GiB for no predicted saving: MISSED"
+        )
+    for row in rows:
+        for key in ("step_prediction_error", "peak_prediction_error"):
+            if key in row:
+                lines.append(
+                    _verdict(
+                        f"{row['config']}: {key.replace('_', ' ')} {row[key]:.1%}",
+                        row[key] <= PREDICTION_LIMIT,
+                        f"<= {PREDICTION_LIMIT:.0%}",
+                    )
+                )
+    return lines
+
+
+def _verdict(what: str, met: bool, target: str) -> str:
+    return f"{what} (target {target}): {'met' if met else 'MISSED'}"
+
+
+def run_model(
+    name: str, configs: Sequence[Config], wanted: Sequence[str], steps: int, device: torch.device
+) -> list[Measurement]:
+    model = MODELS[name]
+    results = []
+    for config in configs:
+        if wanted and config.name not in wanted:
+            continue
+        shared: dict[str, Any] = {}
+        result = measure(config, lambda: model.build(device), device, steps, shared)
+        print(f"{name} {config.name}: {result.status}, step {result.step_ms} ms", flush=True)
+        results.append(result)
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--configs", nargs="*", default=[], help="names to run (default: all)")
+    parser.add_argument("--whole-only", action="store_true", help="skip per-block compilation")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device)
+    hardware = compare.Hardware.measured(device)
+    results: dict[str, Any] = {
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "hardware": dataclasses.asdict(hardware),
+        "workloads": {},
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    device_name = re.sub(r"[^A-Za-z0-9]+", "-", hardware.device).strip("-").lower()
+    stem = args.out / f"{device_name}-{results['date']}-zoo"
+    for name in args.models:
+        runs = [(name, whole_configs())]
+        blocks = MODELS[name].blocks
+        if blocks is not None and not args.whole_only:
+            runs.append((f"{name} per block", per_block_configs(blocks)))
+        for workload, configs in runs:
+            rows = compare.derive(
+                run_model(name, configs, args.configs, args.steps, device), hardware
+            )
+            results["workloads"][workload] = {
+                "rows": rows,
+                "targets": check_targets(rows),
+                "auto_profiled": "",
+            }
+            print(compare.workload_report(workload, results), flush=True)
+            compare.write(results, stem)
+    return results
+
+
+if __name__ == "__main__":
+    main()
