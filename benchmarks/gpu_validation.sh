@@ -6,7 +6,7 @@
 #   zoo-bench   the model-zoo benchmark (benchmarks/zoo.py; $ZOO_MODELS picks models)
 #   example     the main example
 #   breakdown   what is alive at the measured peak of W2's auto and three W1 configurations
-# With no argument every step but zoo runs (cuda-tests holds it); `--only STEP [STEP ...]`
+# With no argument every step but zoo (cuda-tests holds it) and zoo-bench runs; `--only STEP [STEP ...]`
 # runs those alone. Logs and results go to $OUT (or ./out); the exit status is pytest's.
 set -o pipefail
 out=${OUT:-out}
@@ -47,7 +47,7 @@ for step in "${steps[@]}"; do
             | tee -a "$out/peak_breakdown.log"
         ;;
     *)
-        echo "unknown step $step (compare, cuda-tests, zoo, example, breakdown)" >&2
+        echo "unknown step $step (compare, cuda-tests, zoo, zoo-bench, example, breakdown)" >&2
         exit 2
         ;;
     esac
