@@ -6,6 +6,7 @@ tests/test_compat.py.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import types
 import warnings
@@ -294,3 +295,11 @@ def cuda_allocation_trace(step: Callable[[], None], device: int) -> list[dict[st
         return memory._snapshot(device)["device_traces"][device][already:]
     finally:
         memory._record_memory_history(None, device=device)
+
+
+def outside_fake_mode() -> contextlib.AbstractContextManager:
+    """A context in which new tensors are real, though a compile's fake mode is active
+    (the partitioner runs inside it): for timing kernels on the device."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()

@@ -1,7 +1,8 @@
 """Cost model: what each node of a chunk takes in time, and when its memory is held.
 
 A node's duration is the larger of its FLOPs over the device's matrix rate and the bytes
-it reads and writes over the memory bandwidth. Pointwise ops and reductions fuse into
+it reads and writes over the memory bandwidth; on a CUDA device present, matrix
+products and attention are timed on it instead (timing.py). Pointwise ops and reductions fuse into
 their neighbours, as Inductor fuses them: a value that only fusible ops read is never
 written to memory, and costs neither bytes nor memory; each kernel that reads it computes
 it again, so what it is computed from is read there. Memory is tracked per storage:
@@ -30,6 +31,7 @@ from offload_pass.graphs import (
     tensor_values,
 )
 from offload_pass.profiles import DeviceProfile
+from offload_pass.timing import NodeTimer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,9 +61,16 @@ class ChunkCosts:
         return nbytes / self.profile.host_to_device
 
 
-def node_seconds(node: torch.fx.Node, profile: DeviceProfile) -> float:
+def node_seconds(
+    node: torch.fx.Node, profile: DeviceProfile, timer: NodeTimer | None = None
+) -> float:
+    """The node's measured time where ``timer`` gives one (matrix products and attention
+    on the device present), else the larger of its FLOPs and its traffic over the rates."""
     if node.op != "call_function" or node.target is operator.getitem or is_view(node):
         return 0.0
+    measured = None if timer is None else timer(node)
+    if measured is not None:
+        return measured
     value = node.meta.get("val")
     read = (arg for arg in node.all_input_nodes if materializes(storage_root(arg)))
     traffic = sum(tensor_bytes(arg.meta.get("val")) for arg in read)
@@ -72,14 +81,16 @@ def node_seconds(node: torch.fx.Node, profile: DeviceProfile) -> float:
     return max(flops / profile.matrix_rate(dtype), traffic / profile.memory_bandwidth)
 
 
-def estimate_costs(chunk: ChunkGraphs, profile: DeviceProfile) -> ChunkCosts:
+def estimate_costs(
+    chunk: ChunkGraphs, profile: DeviceProfile, timer: NodeTimer | None = None
+) -> ChunkCosts:
     forward = list(chunk.forward.graph.nodes)
     backward = list(chunk.backward.graph.nodes)
     allocated, freed = _memory_events(chunk, forward, backward)
     return ChunkCosts(
         profile=profile,
-        forward_seconds=tuple(node_seconds(n, profile) for n in forward),
-        backward_seconds=tuple(node_seconds(n, profile) for n in backward),
+        forward_seconds=tuple(node_seconds(n, profile, timer) for n in forward),
+        backward_seconds=tuple(node_seconds(n, profile, timer) for n in backward),
         resident_bytes=sum(
             tensor_bytes(n.meta.get("val")) for n in forward if n.op == "placeholder"
         ),

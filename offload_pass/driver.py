@@ -25,6 +25,7 @@ from offload_pass.order import free_memory_early, resident_inputs
 from offload_pass.plan import Plan
 from offload_pass.planner import Request, plan_offloads
 from offload_pass.rewrite import insert_transfers
+from offload_pass.timing import timer_for
 
 
 def request_for(
@@ -47,7 +48,10 @@ def offload_chunk(
     ``rule``: the shares in force when the graph began to compile."""
     free_memory_early(chunk.backward, resident_inputs(chunk))
     groups = find_saved_groups(chunk)
-    costs = estimate_costs(chunk, profile_for(options.profile, chunk.device()))
+    device = chunk.device()
+    costs = estimate_costs(
+        chunk, profile_for(options.profile, device), timer_for(options.profile, device)
+    )
     planned = plan_offloads(groups, costs, request_for(groups, options, rule))
     if planned.budget_shortfall:
         warnings.warn(

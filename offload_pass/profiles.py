@@ -1,11 +1,11 @@
 """Device profiles: the rates the cost model prices a graph with.
 
 Built-in profiles are chosen from the CUDA device name. The H200's copy bandwidths were
-measured on the hardware (pinned buffers of 256 MiB). Its matrix rate is the sustained
-rate of a whole training step, not of one large product: a bf16 8192^3 product runs at
-790-805 TFLOP/s, but the W1 baseline step (docs/gpu-validation.md) takes the time the cost
-model predicts at 715. The H100 and A100 figures are conservative shares of the vendor
-figures. ``calibrate`` measures the device actually present instead.
+measured on the hardware (pinned buffers of 256 MiB), and its matrix rate is that of one
+large product (bf16, 8192^3: 790 to 805 TFLOP/s). Planned on the device present, matrix
+products and attention are timed there instead (timing.py); the rates price them only
+when a chunk is planned for another device. The H100 and A100 figures are conservative
+shares of the vendor figures. ``calibrate`` measures the device actually present.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ TFLOPS = 1e12
 
 BUILT_IN: dict[str, DeviceProfile] = {
     "h200": DeviceProfile(
-        "h200", 715 * TFLOPS, 50 * TFLOPS, 4000 * GB, 54.6 * GB, 55.3 * GB, 96.3 * GB
+        "h200", 790 * TFLOPS, 50 * TFLOPS, 4000 * GB, 54.6 * GB, 55.3 * GB, 96.3 * GB
     ),
     "h100": DeviceProfile("h100", 650 * TFLOPS, 45 * TFLOPS, 2800 * GB, 50 * GB, 50 * GB, 90 * GB),
     "a100": DeviceProfile("a100", 250 * TFLOPS, 17 * TFLOPS, 1600 * GB, 24 * GB, 24 * GB, 40 * GB),
