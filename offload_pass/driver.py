@@ -13,8 +13,10 @@ min-cut partition of every graph torch.compile hands the backend.
 
 from __future__ import annotations
 
+import contextlib
+import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from offload_pass.analysis import SavedGroup, find_saved_groups
 from offload_pass.calibration import profile_for
@@ -41,18 +43,36 @@ def request_for(
     )
 
 
+class _StageClock:
+    """Seconds each stage of one chunk's pass took, in the order they ran."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = time.perf_counter() - start
+
+
 def offload_chunk(
     chunk: ChunkGraphs, options: OffloadOptions, rule: FractionRule, name: str
 ) -> Plan:
     """Run every stage on ``chunk``, rewriting its graphs in place; the plan made.
     ``rule``: the shares in force when the graph began to compile."""
-    free_memory_early(chunk.backward, resident_inputs(chunk))
-    groups = find_saved_groups(chunk)
-    device = chunk.device()
-    costs = estimate_costs(
-        chunk, profile_for(options.profile, device), timer_for(options.profile, device)
-    )
-    planned = plan_offloads(groups, costs, request_for(groups, options, rule))
+    clock = _StageClock()
+    with clock.stage("order"):
+        free_memory_early(chunk.backward, resident_inputs(chunk))
+    with clock.stage("analyse"):
+        groups = find_saved_groups(chunk)
+    with clock.stage("costs"):
+        device = chunk.device()
+        costs = estimate_costs(
+            chunk, profile_for(options.profile, device), timer_for(options.profile, device)
+        )
+    with clock.stage("plan"):
+        planned = plan_offloads(groups, costs, request_for(groups, options, rule))
     if planned.budget_shortfall:
         warnings.warn(
             f"offload_pass: {name} cannot meet memory_budget={planned.budget_bytes:,} bytes; "
@@ -60,5 +80,7 @@ def offload_chunk(
             "bytes over",
             stacklevel=2,
         )
-    insert_transfers(chunk, [d.group for d in planned.decisions if d.moved], planned.transfers)
-    return Plan(name, costs, planned, chunk.forward, chunk.backward)
+    with clock.stage("rewrite"):
+        moved = [d.group for d in planned.decisions if d.moved]
+        insert_transfers(chunk, moved, planned.transfers)
+    return Plan(name, costs, planned, chunk.forward, chunk.backward, clock.seconds)

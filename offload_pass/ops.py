@@ -84,6 +84,15 @@ RELOAD = torch.ops.offload_pass.reload.default
 RELOAD_WAIT = torch.ops.offload_pass.reload_wait.default
 TRANSFERS = frozenset({OFFLOAD, OFFLOAD_WAIT, RELOAD, RELOAD_WAIT})
 TICKETS = frozenset({OFFLOAD, RELOAD})
+FAKE_IMPLS = {
+    OFFLOAD: _offload_fake,
+    OFFLOAD_WAIT: _offload_wait_fake,
+    RELOAD: _reload_fake,
+    RELOAD_WAIT: _reload_wait_fake,
+}
+"""Each op's fake implementation, which the rewrite calls directly for a new node's
+value: the same value as calling the op in fake mode, without a trip through the
+dispatcher (most of the rewrite's time on deep graphs)."""
 
 
 def holds_transfers(gm: torch.fx.GraphModule) -> bool:

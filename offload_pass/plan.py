@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import torch.fx
 
@@ -20,6 +21,8 @@ class Plan:
     ``forward`` and ``backward`` are the graphs as rewritten, before the compiler
     lowers them; ``print(plan.forward.code)`` shows every offload, wait and reload.
     ``print(plan)`` shows the report (see :mod:`offload_pass.report`).
+    ``stage_seconds``: what each stage of the pass took on this chunk (order, analyse,
+    costs, plan, rewrite), the compile time the pass adds before the compiler's own.
     """
 
     chunk: str
@@ -27,6 +30,7 @@ class Plan:
     planned: ChunkPlan
     forward: torch.fx.GraphModule
     backward: torch.fx.GraphModule
+    stage_seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def profile(self) -> DeviceProfile:

@@ -34,7 +34,7 @@ def _add_node(
 ) -> torch.fx.Node:
     node = graph.call_function(target, args, kwargs)
     values = torch.fx.node.map_arg((args, kwargs or {}), lambda n: n.meta["val"])
-    node.meta["val"] = _compat.run_on_fakes(target, *values)
+    node.meta["val"] = _compat.run_on_fakes(ops.FAKE_IMPLS.get(target, target), *values)
     node.meta.update({k: like.meta[k] for k in _COPIED_META if k in like.meta})
     return node
 
@@ -181,6 +181,7 @@ def rewrite_backward(
 
     position = {n: i for i, n in enumerate(graph.nodes)}
     tokens = {s.root: _token_before(s.reload_before.prev) for s in sites}
+    symbolic_inputs = SymbolSources.inputs_of(graph)
     for s in sorted(sites, key=lambda s: position[s.first_use]):
         device = s.root.meta["val"].device
         h = host_inputs[s.root]
@@ -188,7 +189,7 @@ def rewrite_backward(
             ticket = _add_node(graph, ops.RELOAD, (h, device, tokens[s.root]), s.root)
         with graph.inserting_before(s.first_use):
             loaded = _add_node(graph, ops.RELOAD_WAIT, (ticket, h, device), s.root)
-            sizes = SymbolSources.of(graph, s.root.meta["val"])
+            sizes = SymbolSources.of(symbolic_inputs, s.root.meta["val"])
             for member, received in zip(s.members, s.received, strict=True):
                 view = loaded
                 for step in view_chain(member):

@@ -37,13 +37,20 @@ class SymbolSources:
     inputs: dict[sympy.Expr, str]
     dims: dict[sympy.Expr, int]
 
-    @classmethod
-    def of(cls, backward: torch.fx.Graph, storage: torch.Tensor) -> SymbolSources:
-        inputs = {}
+    @staticmethod
+    def inputs_of(backward: torch.fx.Graph) -> dict[sympy.Expr, str]:
+        """Each symbolic size among backward's inputs, by the first input carrying it."""
+        inputs: dict[sympy.Expr, str] = {}
         for node in backward.find_nodes(op="placeholder"):
             expr = symbolic_expr(node)
             if expr is not None:
                 inputs.setdefault(expr, node.name)
+        return inputs
+
+    @classmethod
+    def of(cls, inputs: dict[sympy.Expr, str], storage: torch.Tensor) -> SymbolSources:
+        """The sources for a view of ``storage``: ``inputs`` (see :meth:`inputs_of`) and
+        the storage's own dimensions."""
         dims = {}
         for d, size in enumerate(storage.shape):
             if isinstance(size, torch.SymInt):
