@@ -3,7 +3,8 @@
 #   compare     the side-by-side benchmark on W1 and W2 (22 minutes in run 17)
 #   cuda-tests  every test marked cuda (stalled copy streams, the model zoo on CUDA, ...)
 #   zoo         only the model zoo's CUDA tests
-#   zoo-bench   the model-zoo benchmark (benchmarks/zoo.py; $ZOO_MODELS picks models)
+#   zoo-bench   the model-zoo benchmark (benchmarks/zoo.py; $ZOO_ARGS are passed to it,
+#               e.g. ZOO_ARGS='--models llama gpt2 --whole-only')
 #   example     the main example
 #   breakdown   what is alive at the measured peak of W2's auto and three W1 configurations
 # With no argument every step but zoo (cuda-tests holds it) and zoo-bench runs; `--only STEP [STEP ...]`
@@ -33,7 +34,7 @@ for step in "${steps[@]}"; do
             2>&1 | tee "$out/zoo.log" || status=$?
         ;;
     zoo-bench)
-        python -m benchmarks.zoo --out "$out" ${ZOO_MODELS:+--models $ZOO_MODELS} 2>&1 \
+        python -m benchmarks.zoo --out "$out" ${ZOO_ARGS:-} 2>&1 \
             | tee "$out/zoo_bench.log"
         ;;
     example)
