@@ -152,3 +152,17 @@ def test_auto_on_the_cpu_says_why_nothing_moves():
     reason = report.why_nothing_moved(plan)
     assert reason is not None and "'cpu' profile" in reason
     assert reason in str(plan)
+
+
+def test_a_profiler_trace_names_each_transfer_op():
+    model = models.BlockStack(dim=64, heads=4, depth=2)
+    backend = offload_pass.backend(fraction=1.0, min_bytes=0, compiler="eager")
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(2, 64, 64)
+    compiled(x).sum().backward()
+    with torch.profiler.profile() as profile:
+        compiled(x).sum().backward()
+    names = {event.name for event in profile.events()}
+    torch.compiler.reset()
+    expected = {f"offload_pass::{op}" for op in ("offload", "offload_wait", "reload")}
+    assert expected | {"offload_pass::reload_wait"} <= names
