@@ -51,12 +51,35 @@ def measure(device: torch.device, calls: int) -> list[tuple[str, float]]:
     ]
 
 
+def kernel_launch_microseconds(device: torch.device, calls: int, layers: int = 32) -> float:
+    """Host microseconds per kernel of Inductor's code on tiny tensors: a chain of
+    ``layers`` products each followed by a ReLU (two kernels a layer), where the step is
+    all host time. What each kernel of a compiled step costs the host, for scale."""
+    x = torch.randn(8, 8, device=device)
+    w = torch.randn(8, 8, device=device)
+
+    def chain(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(layers):
+            x = torch.mm(x, w).relu()
+        return x
+
+    compiled = torch.compile(chain)
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    compiled(x)
+    synchronize()
+    per_call = host_microseconds(lambda: compiled(x), calls)
+    synchronize()
+    return per_call / (2 * layers)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--calls", type=int, default=2000)
     args = parser.parse_args()
-    rows = measure(torch.device(args.device), args.calls)
+    device = torch.device(args.device)
+    rows = measure(device, args.calls)
+    rows.append(("one Inductor kernel, for scale", kernel_launch_microseconds(device, args.calls)))
     print(tabulate.tabulate(rows, headers=["op", "host us per call"], floatfmt=".1f"))
 
 

@@ -103,6 +103,14 @@ def test_op_overhead_times_each_transfer_op():
     assert rows["all four, per storage moved"] == sum(list(rows.values())[:4])
 
 
+def test_op_overhead_times_an_inductor_kernel_launch():
+    import torch
+
+    from benchmarks import op_overhead
+
+    assert op_overhead.kernel_launch_microseconds(torch.device("cpu"), calls=3, layers=2) > 0
+
+
 def test_megatron_decoder_has_the_workload_shape_and_trains():
     import dataclasses
 
