@@ -343,6 +343,23 @@ def recheck(path: Path) -> dict[str, Any]:
     return results
 
 
+def new_results(hardware: Hardware) -> dict[str, Any]:
+    """An empty run: today's date, the torch version and the hardware, no workloads yet."""
+    return {
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "hardware": dataclasses.asdict(hardware),
+        "workloads": {},
+    }
+
+
+def results_stem(out: Path, results: dict[str, Any], what: str) -> Path:
+    """``out/<device>-<date>-<what>``, the path of a run's files less their suffix."""
+    out.mkdir(parents=True, exist_ok=True)
+    device = re.sub(r"[^A-Za-z0-9]+", "-", results["hardware"]["device"]).strip("-").lower()
+    return out / f"{device}-{results['date']}-{what}"
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", default=["W1", "W2"])
@@ -360,15 +377,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     device = torch.device(args.device)
     hardware = Hardware.measured(device)
-    results: dict[str, Any] = {
-        "date": datetime.date.today().isoformat(),
-        "torch": torch.__version__,
-        "hardware": dataclasses.asdict(hardware),
-        "workloads": {},
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    device_name = re.sub(r"[^A-Za-z0-9]+", "-", hardware.device).strip("-").lower()
-    stem = args.out / f"{device_name}-{results['date']}-{'-'.join(args.workloads).lower()}"
+    results = new_results(hardware)
+    stem = results_stem(args.out, results, "-".join(args.workloads).lower())
     for name in args.workloads:
         rows = derive(
             run_workload(name, args.configs, args.steps, device, args.show_plans), hardware

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -80,32 +78,32 @@ def _transformers() -> Any:
     return transformers
 
 
-def _llama(s: Sizes) -> nn.Module:
-    t = _transformers()
-    config = t.LlamaConfig(
-        vocab_size=s.vocab,
-        hidden_size=s.hidden,
-        intermediate_size=s.intermediate,
-        num_hidden_layers=s.layers,
-        num_attention_heads=s.heads,
-        num_key_value_heads=s.kv_heads,
-        max_position_embeddings=s.seq,
-    )
-    return t.LlamaForCausalLM(config)
+def _decoder(config_name: str, model_name: str, **extra: Any) -> Callable[[Sizes], nn.Module]:
+    """A factory of the HF causal LM ``model_name`` at given sizes (Llama's argument names,
+    which Qwen2 and Mixtral share)."""
+
+    def make(s: Sizes) -> nn.Module:
+        t = _transformers()
+        config = getattr(t, config_name)(
+            vocab_size=s.vocab,
+            hidden_size=s.hidden,
+            intermediate_size=s.intermediate,
+            num_hidden_layers=s.layers,
+            num_attention_heads=s.heads,
+            num_key_value_heads=s.kv_heads,
+            max_position_embeddings=s.seq,
+            **extra,
+        )
+        return getattr(t, model_name)(config)
+
+    return make
 
 
-def _qwen2(s: Sizes) -> nn.Module:
-    t = _transformers()
-    config = t.Qwen2Config(
-        vocab_size=s.vocab,
-        hidden_size=s.hidden,
-        intermediate_size=s.intermediate,
-        num_hidden_layers=s.layers,
-        num_attention_heads=s.heads,
-        num_key_value_heads=s.kv_heads,
-        max_position_embeddings=s.seq,
-    )
-    return t.Qwen2ForCausalLM(config)
+_llama = _decoder("LlamaConfig", "LlamaForCausalLM")
+_qwen2 = _decoder("Qwen2Config", "Qwen2ForCausalLM")
+_mixtral = _decoder(
+    "MixtralConfig", "MixtralForCausalLM", num_local_experts=8, num_experts_per_tok=2
+)
 
 
 def _gpt2(s: Sizes) -> nn.Module:
@@ -114,22 +112,6 @@ def _gpt2(s: Sizes) -> nn.Module:
         vocab_size=s.vocab, n_embd=s.hidden, n_layer=s.layers, n_head=s.heads, n_positions=s.seq
     )
     return t.GPT2LMHeadModel(config)
-
-
-def _mixtral(s: Sizes) -> nn.Module:
-    t = _transformers()
-    config = t.MixtralConfig(
-        vocab_size=s.vocab,
-        hidden_size=s.hidden,
-        intermediate_size=s.intermediate,
-        num_hidden_layers=s.layers,
-        num_attention_heads=s.heads,
-        num_key_value_heads=s.kv_heads,
-        num_local_experts=8,
-        num_experts_per_tok=2,
-        max_position_embeddings=s.seq,
-    )
-    return t.MixtralForCausalLM(config)
 
 
 def _vit(s: Sizes) -> nn.Module:
@@ -368,15 +350,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     device = torch.device(args.device)
     hardware = compare.Hardware.measured(device)
-    results: dict[str, Any] = {
-        "date": datetime.date.today().isoformat(),
-        "torch": torch.__version__,
-        "hardware": dataclasses.asdict(hardware),
-        "workloads": {},
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    device_name = re.sub(r"[^A-Za-z0-9]+", "-", hardware.device).strip("-").lower()
-    stem = args.out / f"{device_name}-{results['date']}-zoo"
+    results = compare.new_results(hardware)
+    stem = compare.results_stem(args.out, results, "zoo")
     for name in args.models:
         runs = [(name, whole_configs())]
         blocks = MODELS[name].blocks

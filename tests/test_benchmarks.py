@@ -175,3 +175,60 @@ def test_code_peak_counts_reloads_on_the_device_and_host_buffers_nowhere():
     peak, at = code_peak(code, resident=10, saved={}, host={"offload_wait": 128})
     assert peak == 10 + 128 + 16
     assert at.startswith("buf3 = empty_strided_cpu")
+
+
+def _zoo_row(config: str, **figures: float) -> dict:
+    return {"config": config, "status": "ok", "bytes_moved": 0, **figures}
+
+
+def test_zoo_targets_say_which_are_missed_and_by_how_much():
+    from benchmarks import zoo
+
+    gib = 2**30
+    rows = [
+        _zoo_row("compiled", peak_bytes=6 * gib),
+        _zoo_row(
+            "offload_pass auto",
+            peak_bytes=5 * gib,
+            step_ratio=1.05,
+            peak_saved_bytes=gib,
+            predicted_peak_saved_bytes=2 * gib,
+            step_prediction_error=0.02,
+            peak_prediction_error=0.2,
+        ),
+    ]
+    lines = zoo.check_targets(rows)
+    assert "auto step ratio 1.050 (target <= 1.03): MISSED" in lines
+    assert "auto peak 5.00 GiB against stock 6.00 (target never above stock): met" in lines
+    assert "auto saves 1.00 GiB of the 2.00 predicted (50%) (target >= 80%): MISSED" in lines
+    assert "offload_pass auto: step prediction error 2.0% (target <= 10%): met" in lines
+    assert "offload_pass auto: peak prediction error 20.0% (target <= 10%): MISSED" in lines
+
+
+def test_zoo_auto_moving_bytes_for_no_predicted_saving_is_a_miss():
+    from benchmarks import zoo
+
+    rows = [
+        _zoo_row("compiled", peak_bytes=100),
+        _zoo_row("offload_pass auto", peak_bytes=90, step_ratio=1.0, bytes_moved=2**30),
+    ]
+    assert "auto moves 1.00 GiB for no predicted saving: MISSED" in zoo.check_targets(rows)
+
+
+def test_zoo_harness_runs_a_tiny_model_on_the_cpu(tmp_path):
+    import json
+
+    import pytest
+
+    pytest.importorskip("transformers")
+    from benchmarks import zoo
+
+    configs = ["compiled", "offload_pass fraction 0.5"]
+    argv = ["--models", "llama", "--configs", *configs, "--steps", "2", "--device", "cpu"]
+    results = zoo.main([*argv, "--out", str(tmp_path)])
+    assert list(results["workloads"]) == ["llama", "llama per block"]
+    for workload in results["workloads"].values():
+        assert [r["config"] for r in workload["rows"]] == configs
+        assert all(r["status"] == "ok" for r in workload["rows"])
+    (written,) = tmp_path.glob("*-zoo.json")
+    assert json.loads(written.read_text())["workloads"].keys() == results["workloads"].keys()
