@@ -1,6 +1,6 @@
 """Every use of a torch internal lives here, each behind one small function.
 
-Supported: torch 2.11 to 2.14. Each branch taken on some version has a test in
+Supported: torch 2.11 to 2.15. Each branch taken on some version has a test in
 tests/test_compat.py.
 """
 
@@ -240,13 +240,15 @@ def register_backend_name(name: str, compiler_fn: Callable[..., Any]) -> None:
         register_backend(compiler_fn=compiler_fn, name=name)
 
 
-def _flop_formulas() -> dict[Any, Callable[..., int]]:
-    """torch's flop formulas, plus its attention formulas for the CPU attention kernels
-    (so a graph traced on the CPU prices attention as the GPU kernels would)."""
+def _flop_formulas(registry: dict[Any, Any] | None = None) -> dict[Any, Callable[..., int]]:
+    """torch's flop formulas (``registry``, default torch's own), plus its attention
+    formulas for the CPU attention kernels where the registry lacks them, as torch
+    before 2.15 does (so a graph traced on the CPU prices attention as the GPU kernels
+    would); torch 2.15 registers the same formulas for them itself, which are kept."""
     from torch.utils import flop_counter
 
     aten = torch.ops.aten
-    formulas = dict(flop_counter.flop_registry)
+    formulas = dict(flop_counter.flop_registry if registry is None else registry)
     for op, formula in (
         ("_scaled_dot_product_flash_attention_for_cpu", flop_counter.sdpa_flop),
         ("_scaled_dot_product_flash_attention_for_cpu_backward", flop_counter.sdpa_backward_flop),

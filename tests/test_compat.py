@@ -71,6 +71,30 @@ def test_flop_count_uses_torch_formulas_and_covers_cpu_attention():
     assert attention and max(attention) == 4 * 2 * 4 * 8 * 8 * 16  # q k^T and p v
 
 
+_CPU_ATTENTION = (
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward,
+)
+
+
+def test_cpu_attention_formulas_added_to_a_registry_without_them():
+    from torch.utils import flop_counter
+
+    older = {k: v for k, v in flop_counter.flop_registry.items() if k not in _CPU_ATTENTION}
+    formulas = _compat._flop_formulas(older)
+    assert formulas[_CPU_ATTENTION[0]] is flop_counter.sdpa_flop
+    assert formulas[_CPU_ATTENTION[1]] is flop_counter.sdpa_backward_flop
+    assert torch.ops.aten.mm in formulas
+
+
+def test_cpu_attention_formulas_of_the_registry_are_kept():
+    def own(*args, **kwargs):
+        return 1
+
+    formulas = _compat._flop_formulas(dict.fromkeys(_CPU_ATTENTION, own))
+    assert formulas == dict.fromkeys(_CPU_ATTENTION, own)
+
+
 def test_log_name_registers_with_torch_logging():
     from torch._logging._internal import log_registry
 
