@@ -55,6 +55,7 @@ def llama() -> LlamaForCausalLM:
         num_key_value_heads=4,
         max_position_embeddings=64,
         attn_implementation="sdpa",
+        use_cache=False,
     )
     return LlamaForCausalLM(config)
 
@@ -259,7 +260,8 @@ def test_trainer_trains_a_model_compiled_in_place_like_stock_compile(collator, m
 def test_accelerate_trains_a_model_compiled_in_place_like_its_dynamo_plugin(regional, tmp_path):
     """Whole: a memory budget by registered name, on padded batches. Regional: fraction 1
     after recomputing down to half the saved bytes, on packed ones, against stock compiles
-    with the same recompute budget."""
+    with the same recompute budget. Both compile for symbolic sizes from the first batch
+    (``dynamic=True``; the Trainer tests compile static sizes first)."""
     collator = "packed" if regional else "padded"
     recompute = 0.5 if regional else None
     with torch._functorch.config.patch(activation_memory_budget=recompute or 1.0):
@@ -267,19 +269,19 @@ def test_accelerate_trains_a_model_compiled_in_place_like_its_dynamo_plugin(regi
             lambda name: train_with_accelerate(
                 llama(),
                 collator,
-                TorchDynamoPlugin(backend=name, use_regional_compilation=regional),
+                TorchDynamoPlugin(backend=name, use_regional_compilation=regional, dynamic=True),
             )[2]
         )
     model = llama()
     if regional:
         backend = offload_pass.backend(fraction=1.0, recompute_budget=recompute, min_bytes=0)
-        compiled = offload_pass.compile_regions(model, backend)
+        compiled = offload_pass.compile_regions(model, backend, dynamic=True)
         assert {"model.layers.0", "model.layers.1", "lm_head"} <= set(compiled)
     else:
         backend = offload_pass.register_backend(
             "offload_test_accelerate", memory_budget=0.5, min_bytes=0
         )
-        model.compile(backend="offload_test_accelerate")
+        model.compile(backend="offload_test_accelerate", dynamic=True)
     accelerator, prepared, steps = train_with_accelerate(model, collator)
     zoo.assert_within(steps, expected.stock, expected.spread)
     assert bytes_moved(backend) > 0
