@@ -71,10 +71,11 @@ def compile_regions(
     ``ModuleList`` whose blocks share one class is compiled on its own, and every other
     module holding no such list is compiled whole. Blocks of one class share their
     compiled code and plan where Dynamo's guards let them (an HF decoder layer given a KV
-    cache compiles again for each layer; training runs with ``use_cache=False``). Code outside these regions (a loss computed in the top module's
-    ``forward``) runs eagerly. Each module is compiled with ``module.compile``, which keeps
-    its class and parameter names, unlike ``accelerate.utils.compile_regions``, whose
-    copies add ``_orig_mod.`` to the blocks' ``state_dict`` keys.
+    cache compiles again for each layer; training runs with ``use_cache=False``). Code
+    outside these regions (a loss computed in the top module's ``forward``) runs eagerly.
+    Each module is compiled with ``module.compile``, which keeps its class and parameter
+    names, unlike ``accelerate.utils.compile_regions``, whose copies add ``_orig_mod.`` to
+    the blocks' ``state_dict`` keys.
 
     ``backend`` is anything ``torch.compile`` takes (an :class:`OffloadBackend`, a
     registered name, ``"inductor"``); ``compile_kwargs`` are ``torch.compile``'s other
