@@ -240,6 +240,16 @@ def register_backend_name(name: str, compiler_fn: Callable[..., Any]) -> None:
         register_backend(compiler_fn=compiler_fn, name=name)
 
 
+def backend_names() -> list[str]:
+    """Every name ``torch.compile(backend=...)`` accepts now, whatever its tags."""
+    return torch._dynamo.list_backends(exclude_tags=())
+
+
+def is_compiled_module(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is the wrapper ``torch.compile(module)`` returns."""
+    return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
+
+
 def _flop_formulas(registry: dict[Any, Any] | None = None) -> dict[Any, Callable[..., int]]:
     """torch's flop formulas (``registry``, default torch's own), plus its attention
     formulas for the CPU attention kernels where the registry lacks them, as torch

@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 
+from offload_pass import _compat
 from offload_pass.backend import OffloadBackend, backend
 
 _registered: dict[str, OffloadBackend] = {}
@@ -43,9 +43,9 @@ def register_backend(name: str, **options: Any) -> OffloadBackend:
                 f"({_registered[name].options}); pick another name"
             )
         return _registered[name]
-    if name in torch._dynamo.list_backends(exclude_tags=()):
+    if name in _compat.backend_names():
         raise ValueError(f"{name!r} is already a torch.compile backend name; pick another")
-    torch._dynamo.register_backend(compiler_fn=made, name=name)
+    _compat.register_backend_name(name, made)
     _registered[name] = made
     return made
 
@@ -83,7 +83,7 @@ def compile_regions(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"compile_regions expects an nn.Module, got {type(model).__name__}")
-    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+    if _compat.is_compiled_module(model):
         raise TypeError(
             "compile_regions got the result of torch.compile; pass the module itself "
             "(its _orig_mod)"

@@ -41,7 +41,7 @@ def timer_for(profile: DeviceProfile | str | None, device: torch.device) -> Node
 
 def measured_seconds(node: torch.fx.Node, device: torch.device) -> float | None:
     """Seconds ``node`` takes on ``device``; None where it has no FLOPs or cannot run."""
-    if not isinstance(node.target, torch._ops.OpOverload) or not _compat.flop_count(node):
+    if not _compat.flop_count(node):  # FLOPs are counted for ATen ops alone
         return None
     values = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
     try:
@@ -108,9 +108,7 @@ def _materialize(signature: Hashable, device: torch.device) -> Any:
 
 
 @functools.lru_cache(maxsize=4096)
-def _timed(
-    target: torch._ops.OpOverload, signature: Hashable, device: torch.device
-) -> float | None:
+def _timed(target: Callable[..., Any], signature: Hashable, device: torch.device) -> float | None:
     """Mean seconds of ``REPEATS`` calls after a warm-up (library heuristics, autotuning);
     None where the op fails on random values or the device is out of memory."""
     synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda: None

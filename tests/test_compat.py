@@ -154,3 +154,10 @@ def test_inductor_config_of_a_mode_and_options():
 
 def test_no_frame_is_being_compiled_outside_dynamo():
     assert _compat.frame_code_being_compiled() is None
+
+
+def test_backend_names_and_compiled_modules_are_recognised():
+    assert {"inductor", "offload"} <= set(_compat.backend_names())
+    module = torch.nn.Linear(2, 2)
+    assert not _compat.is_compiled_module(module)
+    assert _compat.is_compiled_module(torch.compile(module))
