@@ -302,7 +302,7 @@ def check_targets(rows: list[dict[str, Any]]) -> list[str]:
                 f">= {SAVING_SHARE:.0%}",
             )
         )
-    elif auto["bytes_moved"]:
+    elif predicted is not None and auto["bytes_moved"]:
         lines.append(
             f"auto moves {auto['bytes_moved'] / GiB:.2f} GiB for no predicted saving: MISSED"
         )

@@ -240,6 +240,11 @@ def register_backend_name(name: str, compiler_fn: Callable[..., Any]) -> None:
         register_backend(compiler_fn=compiler_fn, name=name)
 
 
+def argument_names(op: Any) -> list[str]:
+    """The names of an ATen op's arguments, in its schema's order."""
+    return [argument.name for argument in op._schema.arguments]
+
+
 def backend_names() -> list[str]:
     """Every name ``torch.compile(backend=...)`` accepts now, whatever its tags."""
     return torch._dynamo.list_backends(exclude_tags=())

@@ -73,7 +73,7 @@ def _fixed_reason(
     members: list[torch.fx.Node],
     user_outputs: set[torch.fx.Node],
     bw_inputs: dict[torch.fx.Node, torch.fx.Node],
-    backward_sizes: dict[sympy.Expr, str],
+    size_inputs: dict[sympy.Expr, str],
 ) -> str | None:
     value = root.meta.get("val")
     if any(m not in bw_inputs or not bw_inputs[m].users for m in members):
@@ -91,7 +91,7 @@ def _fixed_reason(
         return EMPTY
     if not is_dense(value):
         return NON_DENSE
-    sources = SymbolSources.of(backward_sizes, value)
+    sources = SymbolSources.of(size_inputs, value)
     if not all(is_replayable(view_chain(m), sources) for m in members):
         return NOT_REPLAYABLE
     return None
@@ -124,7 +124,7 @@ def find_saved_groups(chunk: ChunkGraphs) -> tuple[SavedGroup, ...]:
     fw_index = {n: i for i, n in enumerate(chunk.forward.graph.nodes)}
     bw_index = {n: i for i, n in enumerate(chunk.backward.graph.nodes)}
     bw_inputs = chunk.backward_inputs()
-    backward_sizes = SymbolSources.inputs_of(chunk.backward.graph)
+    size_inputs = SymbolSources.inputs_of(chunk.backward.graph)
     user_outputs = set(chunk.user_outputs())
 
     by_root: dict[torch.fx.Node, list[torch.fx.Node]] = {}
@@ -152,7 +152,7 @@ def find_saved_groups(chunk: ChunkGraphs) -> tuple[SavedGroup, ...]:
                 last_forward_use=max([fw_index[root], *(fw_index[r] for r in readers_fw)]),
                 forward_readers=tuple(r.name for r in readers_fw),
                 first_backward_use=min((bw_index[r] for r in readers), default=len(bw_index)),
-                fixed_reason=_fixed_reason(root, members, user_outputs, bw_inputs, backward_sizes),
+                fixed_reason=_fixed_reason(root, members, user_outputs, bw_inputs, size_inputs),
             )
         )
     return tuple(sorted(groups, key=lambda g: g.produced_at))

@@ -2,13 +2,14 @@
 
 A node's duration is the larger of its FLOPs over the device's matrix rate and the bytes
 it reads and writes over the memory bandwidth; on a CUDA device present, matrix
-products and attention are timed on it instead (timing.py). Pointwise ops and reductions fuse into
-their neighbours, as Inductor fuses them: a value that only fusible ops read is never
-written to memory, and costs neither bytes nor memory; each kernel that reads it computes
-it again, so what it is computed from is read there. Memory is tracked per storage:
-allocated where it is produced, freed after its last read in forward or backward; the
-chunk's inputs (parameters, the batch) are resident throughout and backward's outputs
-(gradients) are kept to the end. Positions run over forward's nodes, then backward's.
+products, convolutions and attention are timed on it instead (timing.py). Pointwise
+ops and reductions fuse into their neighbours, as Inductor fuses them: a value that only
+fusible ops read is never written to memory, and costs neither bytes nor memory; each
+kernel that reads it computes it again, so what it is computed from is read there.
+Memory is tracked per storage: allocated where it is produced, freed after its last read
+in forward or backward; the chunk's inputs (parameters, the batch) are resident
+throughout and backward's outputs (gradients) are kept to the end. Positions run over
+forward's nodes, then backward's.
 """
 
 from __future__ import annotations
@@ -64,8 +65,8 @@ class ChunkCosts:
 def node_seconds(
     node: torch.fx.Node, profile: DeviceProfile, timer: NodeTimer | None = None
 ) -> float:
-    """The node's measured time where ``timer`` gives one (matrix products and attention
-    on the device present), else the larger of its FLOPs and its traffic over the rates."""
+    """The node's measured time where ``timer`` gives one (the nodes with FLOPs, on the
+    device present), else the larger of its FLOPs and its traffic over the rates."""
     if node.op != "call_function" or node.target is operator.getitem or is_view(node):
         return 0.0
     measured = None if timer is None else timer(node)

@@ -3,7 +3,7 @@
 Built-in profiles are chosen from the CUDA device name. The H200's copy bandwidths were
 measured on the hardware (pinned buffers of 256 MiB), and its matrix rate is that of one
 large product (bf16, 8192^3: 790 to 805 TFLOP/s). Planned on the device present, matrix
-products and attention are timed there instead (timing.py); the rates price them only
+products, convolutions and attention are timed there instead (timing.py); the rates price them only
 when a chunk is planned for another device. The H100 and A100 figures are conservative
 shares of the vendor figures. ``calibrate`` measures the device actually present.
 """

@@ -181,7 +181,7 @@ def rewrite_backward(
 
     position = {n: i for i, n in enumerate(graph.nodes)}
     tokens = {s.root: _token_before(s.reload_before.prev) for s in sites}
-    symbolic_inputs = SymbolSources.inputs_of(graph)
+    size_inputs = SymbolSources.inputs_of(graph)
     for s in sorted(sites, key=lambda s: position[s.first_use]):
         device = s.root.meta["val"].device
         h = host_inputs[s.root]
@@ -189,7 +189,7 @@ def rewrite_backward(
             ticket = _add_node(graph, ops.RELOAD, (h, device, tokens[s.root]), s.root)
         with graph.inserting_before(s.first_use):
             loaded = _add_node(graph, ops.RELOAD_WAIT, (ticket, h, device), s.root)
-            sizes = SymbolSources.of(symbolic_inputs, s.root.meta["val"])
+            sizes = SymbolSources.of(size_inputs, s.root.meta["val"])
             for member, received in zip(s.members, s.received, strict=True):
                 view = loaded
                 for step in view_chain(member):

@@ -80,7 +80,7 @@ def counts() -> TransferCounts:
 
 
 @contextlib.contextmanager
-def _named(name: str, device: torch.device) -> Iterator[None]:
+def _nvtx_range(name: str, device: torch.device) -> Iterator[None]:
     """An NVTX range ``offload_pass::<name>`` for Nsight traces, on CUDA. (torch.profiler
     names the op itself: the dispatcher records each call of ``offload_pass::<name>``.)"""
     if device.type != "cuda":
@@ -145,7 +145,7 @@ def _host_buffer(a: torch.Tensor, layout: Sequence[int]) -> torch.Tensor:
 
 
 def offload(a: torch.Tensor, layout: Sequence[int]) -> torch.Tensor:
-    with _named("offload", a.device):
+    with _nvtx_range("offload", a.device):
         h = _host_buffer(a, layout)
         event = None
         if a.device.type == "cuda":
@@ -167,7 +167,7 @@ def offload(a: torch.Tensor, layout: Sequence[int]) -> torch.Tensor:
 
 def offload_wait(ticket: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """The compute stream waits for the copy of ``a``; after this ``a`` may be freed."""
-    with _named("offload_wait", a.device):
+    with _nvtx_range("offload_wait", a.device):
         return _wait(_redeem(_pending_offloads, ticket, "offload_wait"), a.device)
 
 
@@ -183,7 +183,7 @@ def wait_for_offload(stream: torch.cuda.Stream, h: torch.Tensor) -> None:
 
 
 def reload(h: torch.Tensor, device: torch.device) -> torch.Tensor:
-    with _named("reload", device):
+    with _nvtx_range("reload", device):
         g = torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=device)
         event = None
         if device.type == "cuda":
@@ -202,5 +202,5 @@ def reload(h: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def reload_wait(ticket: torch.Tensor) -> torch.Tensor:
     copy = _redeem(_pending_reloads, ticket, "reload_wait")
-    with _named("reload_wait", copy.buffer.device):
+    with _nvtx_range("reload_wait", copy.buffer.device):
         return _wait(copy, copy.buffer.device)

@@ -1,19 +1,23 @@
-"""Matrix products, convolutions and attention timed on the CUDA device a chunk runs on.
+"""Kernels timed on the CUDA device a chunk runs on: every node torch's FLOP formulas
+count (matrix products, convolutions, attention forward and backward).
 
 One matrix rate prices these nodes badly: the rate a product reaches depends on its shape
 (a 2048-wide projection runs well below an 8192^3 product's rate), and attention's
-kernels reach a fraction of it, less in backward than in forward. So each node of a CUDA
-chunk that torch's FLOP formulas count runs on random values of its shapes, strides and
-dtypes, and the cost model prices it at the time measured. Timings are cached per op and
-signature for the process, so a shape met again (the next block, the next compile) is
-not timed again. The values are random: a node whose work depends on the values it
-reads (an integer tensor of offsets or indices) is not timed.
+kernels reach a fraction of it, less in backward than in forward. So each such node of a
+CUDA chunk runs on random values of its shapes, strides and dtypes, and the cost model
+prices it at the time measured. Timings are cached per op, signature and TF32 settings
+for the process, so a shape met again (the next block, the next compile) is not timed
+again; a failure (out of memory, say) is not cached. The values are random, so a node
+is not timed where values decide the work: an integer or boolean tensor of offsets,
+indices or masks (the random-number state of attention with dropout excepted). Timing
+is advisory: whatever goes wrong, the node keeps its price by the rates.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import statistics
 import time
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -24,9 +28,13 @@ import torch.fx
 from offload_pass import _compat
 from offload_pass.profiles import CALIBRATE, DeviceProfile
 
-REPEATS = 3
+REPEATS = 5
+RANDOM_STATE_ARGUMENTS = frozenset({"philox_seed", "philox_offset", "rng_state"})
+"""Integer arguments that seed random numbers rather than decide the work."""
 NodeTimer = Callable[[torch.fx.Node], "float | None"]
 """Seconds one node's kernel takes on the device, or None where it was not timed."""
+
+_seconds_by_signature: dict[Hashable, float] = {}
 
 
 def timer_for(profile: DeviceProfile | str | None, device: torch.device) -> NodeTimer | None:
@@ -40,15 +48,20 @@ def timer_for(profile: DeviceProfile | str | None, device: torch.device) -> Node
 
 
 def measured_seconds(node: torch.fx.Node, device: torch.device) -> float | None:
-    """Seconds ``node`` takes on ``device``; None where it has no FLOPs or cannot run."""
+    """Seconds ``node`` takes on ``device``; None where it has no FLOPs, reads values
+    random ones cannot stand for, or fails to run."""
     if not _compat.flop_count(node):  # FLOPs are counted for ATen ops alone
         return None
-    values = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
     try:
-        signature = _signature(values)
-    except _Untimeable:
+        key = (node.target, _signature(_named_values(node)), _precision_settings())
+    except Exception:  # noqa: BLE001  (advisory: any argument it cannot describe)
         return None
-    return _timed(node.target, signature, device)
+    if key not in _seconds_by_signature:
+        seconds = _timed(node.target, key[1], device)
+        if seconds is None:
+            return None
+        _seconds_by_signature[key] = seconds
+    return _seconds_by_signature[key]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,10 +69,26 @@ class _TensorSpec:
     sizes: tuple[int, ...]
     strides: tuple[int, ...]
     dtype: torch.dtype
+    device: torch.device
 
-    def materialize(self, device: torch.device) -> torch.Tensor:
-        out = torch.empty_strided(self.sizes, self.strides, dtype=self.dtype, device=device)
-        return out.normal_() if self.dtype.is_floating_point else out.zero_()
+    @classmethod
+    def of(cls, value: torch.Tensor) -> _TensorSpec:
+        sizes = tuple(_compat.concrete_int(s) for s in value.shape)
+        strides = tuple(_compat.concrete_int(s) for s in value.stride())
+        if None in sizes or None in strides:
+            raise _Untimeable("a size without a hint")
+        return cls(sizes, strides, value.dtype, value.device)  # type: ignore[arg-type]
+
+    def materialize(self) -> torch.Tensor:
+        """Random values (zeros for integers) in these strides, overlapping ones included
+        (an expanded bias): filled through the flat buffer they view."""
+        extent = 1 + sum(
+            (n - 1) * s for n, s in zip(self.sizes, self.strides, strict=True) if n > 0
+        )
+        flat = torch.zeros(extent if all(self.sizes) else 0, dtype=self.dtype, device=self.device)
+        if self.dtype.is_floating_point:
+            flat.normal_()
+        return flat.as_strided(self.sizes, self.strides)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,18 +100,30 @@ class _Untimeable(Exception):
     """An argument the op's time depends on and random values cannot stand for."""
 
 
+def _named_values(node: torch.fx.Node) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The node's arguments as values, random-number state already described as specs."""
+    names = _compat.argument_names(node.target)
+
+    def value(arg: Any, name: str | None) -> Any:
+        found = torch.fx.node.map_arg(arg, lambda n: n.meta.get("val"))
+        if name in RANDOM_STATE_ARGUMENTS and isinstance(found, torch.Tensor):
+            return _TensorSpec.of(found)
+        return found
+
+    args = tuple(value(a, names[i] if i < len(names) else None) for i, a in enumerate(node.args))
+    return args, {k: value(v, k) for k, v in node.kwargs.items()}
+
+
 def _signature(value: Any) -> Hashable:
     """A hashable description of an argument tree, each tensor as a :class:`_TensorSpec`;
-    raises :class:`_Untimeable` where a size has no hint or an integer tensor's values
-    (offsets, indices) decide the work."""
+    raises :class:`_Untimeable` where a size has no hint or a tensor's values (offsets,
+    indices, masks) decide the work."""
+    if isinstance(value, _TensorSpec):
+        return value
     if isinstance(value, torch.Tensor):
-        sizes = tuple(_compat.concrete_int(s) for s in value.shape)
-        strides = tuple(_compat.concrete_int(s) for s in value.stride())
-        if None in sizes or None in strides:
-            raise _Untimeable("a size without a hint")
         if not value.dtype.is_floating_point and value.numel() > 1:
-            raise _Untimeable("an integer tensor whose values decide the work")
-        return _TensorSpec(sizes, strides, value.dtype)  # type: ignore[arg-type]
+            raise _Untimeable("an integer or boolean tensor whose values decide the work")
+        return _TensorSpec.of(value)
     if isinstance(value, (list, tuple)):
         return tuple(_signature(v) for v in value)
     if isinstance(value, dict):
@@ -97,30 +138,49 @@ def _signature(value: Any) -> Hashable:
     raise _Untimeable(f"an argument of type {type(value).__name__}")
 
 
-def _materialize(signature: Hashable, device: torch.device) -> Any:
+def _materialize(signature: Hashable) -> Any:
     if isinstance(signature, _TensorSpec):
-        return signature.materialize(device)
+        return signature.materialize()
     if isinstance(signature, _DictSpec):
-        return {k: _materialize(v, device) for k, v in signature.items}
+        return {k: _materialize(v) for k, v in signature.items}
     if isinstance(signature, tuple):
-        return tuple(_materialize(v, device) for v in signature)
+        return tuple(_materialize(v) for v in signature)
     return signature
 
 
-@functools.lru_cache(maxsize=4096)
+def _precision_settings() -> tuple[bool, bool]:
+    """The settings that change which kernels a product or convolution runs."""
+    return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+
+
 def _timed(target: Callable[..., Any], signature: Hashable, device: torch.device) -> float | None:
-    """Mean seconds of ``REPEATS`` calls after a warm-up (library heuristics, autotuning);
-    None where the op fails on random values or the device is out of memory."""
-    synchronize = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    """Median seconds of ``REPEATS`` calls after a warm-up (library heuristics, autotuning);
+    None where the op fails on random values or the device is out of memory. The random
+    values come from a forked generator, so the compile's random state is untouched."""
+    devices = [device] if device.type == "cuda" else []
     try:
-        with _compat.outside_fake_mode(), torch.no_grad():
-            args, kwargs = _materialize(signature, device)
+        with _compat.outside_fake_mode(), torch.no_grad(), torch.random.fork_rng(devices):
+            args, kwargs = _materialize(signature)
             target(*args, **kwargs)
-            synchronize()
-            start = time.perf_counter()
-            for _ in range(REPEATS):
-                target(*args, **kwargs)
-            synchronize()
-            return (time.perf_counter() - start) / REPEATS
-    except (RuntimeError, TypeError, ValueError):
+            return statistics.median(
+                _elapsed(lambda: target(*args, **kwargs), device) for _ in range(REPEATS)
+            )
+    except Exception:  # noqa: BLE001  (advisory: the rates price what cannot run here)
         return None
+
+
+def _elapsed(run: Callable[[], object], device: torch.device) -> float:
+    """Seconds one call of ``run`` keeps ``device`` busy: between two events on its
+    current stream on CUDA, by the host's clock elsewhere."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        run()
+        return time.perf_counter() - start
+    stream = torch.cuda.current_stream(device)
+    start_event = torch.cuda.Event(enable_timing=True)
+    end_event = torch.cuda.Event(enable_timing=True)
+    start_event.record(stream)
+    run()
+    end_event.record(stream)
+    end_event.synchronize()
+    return start_event.elapsed_time(end_event) / 1e3

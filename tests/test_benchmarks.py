@@ -103,14 +103,6 @@ def test_op_overhead_times_each_transfer_op():
     assert rows["all four, per storage moved"] == sum(list(rows.values())[:4])
 
 
-def test_op_overhead_times_an_inductor_kernel_launch():
-    import torch
-
-    from benchmarks import op_overhead
-
-    assert op_overhead.kernel_launch_microseconds(torch.device("cpu"), calls=3, layers=2) > 0
-
-
 def test_megatron_decoder_has_the_workload_shape_and_trains():
     import dataclasses
 
@@ -210,9 +202,17 @@ def test_zoo_auto_moving_bytes_for_no_predicted_saving_is_a_miss():
 
     rows = [
         _zoo_row("compiled", peak_bytes=100),
-        _zoo_row("offload_pass auto", peak_bytes=90, step_ratio=1.0, bytes_moved=2**30),
+        _zoo_row(
+            "offload_pass auto",
+            peak_bytes=90,
+            step_ratio=1.0,
+            bytes_moved=2**30,
+            predicted_peak_saved_bytes=0,
+        ),
     ]
     assert "auto moves 1.00 GiB for no predicted saving: MISSED" in zoo.check_targets(rows)
+    per_block = [rows[0], {**rows[1], "predicted_peak_saved_bytes": None}]
+    assert not any("no predicted saving" in line for line in zoo.check_targets(per_block))
 
 
 def test_zoo_harness_runs_a_tiny_model_on_the_cpu(tmp_path):

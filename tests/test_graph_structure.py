@@ -227,3 +227,29 @@ def test_ordering_tokens_are_values_the_compiled_code_writes_anyway():
     ]
     assert tokens
     assert [t.name for t in tokens if not _written_anyway(t)] == []
+
+
+def test_each_stage_of_the_pass_is_timed_in_the_order_it_ran(plan):
+    assert list(plan.stage_seconds) == ["order", "analyse", "costs", "plan", "rewrite"]
+    assert all(seconds >= 0 for seconds in plan.stage_seconds.values())
+
+
+def test_new_transfer_nodes_carry_the_values_their_ops_produce(plan):
+    """The rewrite calls each op's fake implementation directly: the value must be what
+    running the op under the fake mode gives."""
+    from torch._guards import detect_fake_mode
+
+    for graph in (plan.forward.graph, plan.backward.graph):
+        for node in graph.nodes:
+            if node.target not in ops.TRANSFERS:
+                continue
+            args = torch.fx.node.map_arg(node.args, lambda n: n.meta["val"])
+            with detect_fake_mode(args):
+                value = node.target(*args)
+            recorded = node.meta["val"]
+            assert (value.shape, value.stride(), value.dtype, value.device) == (
+                recorded.shape,
+                recorded.stride(),
+                recorded.dtype,
+                recorded.device,
+            )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from offload_pass import _compat, timing
+from offload_pass import timing
 from offload_pass.costs import estimate_costs, node_seconds
 from offload_pass.profiles import BUILT_IN
 from tests.test_costs import PROFILE, _chunk, _node
@@ -36,8 +36,8 @@ def test_nodes_without_flops_are_left_to_the_rates():
 
 
 def test_a_node_reading_integer_tensors_is_not_timed():
-    """Random values cannot stand for offsets or indices, so integer tensors (beyond a
-    seed's single element) keep a node on the rates."""
+    """Random values cannot stand for offsets or indices, so integer tensors keep a node
+    on the rates."""
     ints = torch.ones(4, 4, dtype=torch.int64)
     graph = make_fx(torch.mm, tracing_mode="fake")(ints, ints)
     mm = _node(graph.graph, torch.ops.aten.mm.default)
@@ -61,9 +61,62 @@ def test_only_a_profile_of_the_device_present_is_timed():
 
 
 def test_kernels_are_timed_on_real_tensors_inside_a_compile_fake_mode():
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
+    graph = make_fx(torch.mm, tracing_mode="fake")(torch.randn(5, 3), torch.randn(3, 7))
+    mm = _node(graph.graph, torch.ops.aten.mm.default)
     with FakeTensorMode():
-        assert isinstance(torch.ones(2), FakeTensor)
-        with _compat.outside_fake_mode():
-            assert not isinstance(torch.ones(2), FakeTensor)
+        assert timing.measured_seconds(mm, CPU) is not None  # a fake run raises nothing
+
+
+def test_an_expanded_operand_is_timed():
+    def biased(x, w, b):
+        return torch.addmm(b.expand(4, 6), x, w)
+
+    graph = make_fx(biased, tracing_mode="fake")(
+        torch.randn(4, 5), torch.randn(5, 6), torch.randn(6)
+    )
+    addmm = _node(graph.graph, torch.ops.aten.addmm.default)
+    assert addmm.args[0].meta["val"].stride() == (0, 1)
+    assert timing.measured_seconds(addmm, CPU) is not None
+
+
+def test_attention_random_state_does_not_keep_its_backward_from_being_timed():
+    """Flash attention's backward reads its seed as a two-element integer tensor; that is
+    random-number state, not work, so the node is described (and timed on CUDA)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    op = torch.ops.aten._scaled_dot_product_flash_attention_backward.default
+    with FakeTensorMode():
+        q = torch.empty(2, 4, 128, 64, dtype=torch.bfloat16, device="cuda")
+        lse = torch.empty(2, 4, 128, device="cuda")
+        seed = torch.empty(2, dtype=torch.uint64, device="cuda")
+        offset = torch.empty((), dtype=torch.uint64, device="cuda")
+    graph = torch.fx.Graph()
+    inputs = {}
+    for name, value in {"q": q, "lse": lse, "seed": seed, "offset": offset}.items():
+        inputs[name] = graph.placeholder(name)
+        inputs[name].meta["val"] = value
+    q_, lse_ = inputs["q"], inputs["lse"]
+    args = (q_, q_, q_, q_, q_, lse_, None, None, 128, 128, 0.0, True)
+    node = graph.call_function(op, (*args, inputs["seed"], inputs["offset"]))
+    described = timing._signature(timing._named_values(node))
+    assert timing._TensorSpec((2,), (1,), torch.uint64, seed.device) in described[0]
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    try:
+        timing._signature(mask)
+    except timing._Untimeable as why:
+        assert "values decide the work" in str(why)
+    else:
+        raise AssertionError("a boolean mask was described by its shape alone")
+
+
+def test_only_successful_timings_are_kept(monkeypatch):
+    """A failure (out of memory while the graph compiles, say) is tried again next time."""
+    graph = make_fx(torch.mm, tracing_mode="fake")(torch.randn(3, 2), torch.randn(2, 9))
+    mm = _node(graph.graph, torch.ops.aten.mm.default)
+    timed = timing._timed
+    monkeypatch.setattr(timing, "_timed", lambda *args: None)
+    assert timing.measured_seconds(mm, CPU) is None
+    monkeypatch.setattr(timing, "_timed", timed)
+    assert timing.measured_seconds(mm, CPU) is not None
