@@ -73,7 +73,7 @@ def _fixed_reason(
     members: list[torch.fx.Node],
     user_outputs: set[torch.fx.Node],
     bw_inputs: dict[torch.fx.Node, torch.fx.Node],
-    size_inputs: dict[sympy.Expr, str],
+    size_inputs: dict[sympy.Expr, torch.fx.Node],
 ) -> str | None:
     value = root.meta.get("val")
     if any(m not in bw_inputs or not bw_inputs[m].users for m in members):

@@ -31,24 +31,24 @@ def _is_size_arithmetic(node: torch.fx.Node) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class SymbolSources:
-    """Where backward can read each symbolic size: one of its inputs (by name), or a
-    dimension of the storage it reloads."""
+    """Where backward can read each symbolic size: one of its inputs, or a dimension of
+    the storage it reloads."""
 
-    inputs: dict[sympy.Expr, str]
+    inputs: dict[sympy.Expr, torch.fx.Node]
     dims: dict[sympy.Expr, int]
 
     @staticmethod
-    def inputs_of(backward: torch.fx.Graph) -> dict[sympy.Expr, str]:
-        """Each symbolic size among backward's inputs, by the first input carrying it."""
-        inputs: dict[sympy.Expr, str] = {}
+    def inputs_of(backward: torch.fx.Graph) -> dict[sympy.Expr, torch.fx.Node]:
+        """Each symbolic size among backward's inputs, and the first input carrying it."""
+        inputs: dict[sympy.Expr, torch.fx.Node] = {}
         for node in backward.find_nodes(op="placeholder"):
             expr = symbolic_expr(node)
             if expr is not None:
-                inputs.setdefault(expr, node.name)
+                inputs.setdefault(expr, node)
         return inputs
 
     @classmethod
-    def of(cls, inputs: dict[sympy.Expr, str], storage: torch.Tensor) -> SymbolSources:
+    def of(cls, inputs: dict[sympy.Expr, torch.fx.Node], storage: torch.Tensor) -> SymbolSources:
         """The sources for a view of ``storage``: ``inputs`` (see :meth:`inputs_of`) and
         the storage's own dimensions."""
         dims = {}
@@ -72,12 +72,11 @@ class SymbolSources:
     def derive(self, arg: object, graph: torch.fx.Graph, storage: torch.fx.Node) -> object:
         """``arg`` with each forward node replaced by a backward node of the same value,
         inserted at the graph's insertion point (``storage`` is the reloaded storage)."""
-        names = {n.name: n for n in graph.find_nodes(op="placeholder")}
 
         def derived(node: torch.fx.Node) -> torch.fx.Node:
             expr = symbolic_expr(node)
             if expr in self.inputs:
-                return names[self.inputs[expr]]
+                return self.inputs[expr]
             if expr in self.dims:
                 size = graph.call_function(torch.ops.aten.sym_size.int, (storage, self.dims[expr]))
                 size.meta["val"] = node.meta["val"]
