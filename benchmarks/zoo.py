@@ -58,7 +58,7 @@ class LanguageModelLoss(nn.Module):
         self.model = model
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.model(**batch).loss
+        return self.model(**batch, use_cache=False).loss  # no KV cache when training
 
 
 class ClassifierLoss(nn.Module):
@@ -142,25 +142,42 @@ def _images(s: Sizes, device: torch.device, dtype: torch.dtype) -> dict[str, tor
     }
 
 
+Task = tuple[nn.Module, dict[str, torch.Tensor]]
+"""A model wrapped to return its loss, and the batch each step feeds it."""
+
+
+def _language_model_task(
+    model: nn.Module, sizes: Sizes, device: torch.device, dtype: torch.dtype
+) -> Task:
+    model.config._attn_implementation = "sdpa"
+    return LanguageModelLoss(model), _tokens(sizes, device)
+
+
+def _classifier_task(
+    model: nn.Module, sizes: Sizes, device: torch.device, dtype: torch.dtype
+) -> Task:
+    return ClassifierLoss(model), _images(sizes, device, dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class ZooModel:
     """One architecture at GPU and CPU sizes; ``blocks``: where its decoder layers are
-    (for per-block compilation), None for a model that is only compiled whole."""
+    (for per-block compilation), None for a model that is only compiled whole; ``task``:
+    the model with its loss, and a batch."""
 
     name: str
     make: Callable[[Sizes], nn.Module]
     gpu: Sizes
     cpu: Sizes
     blocks: Callable[[nn.Module], nn.ModuleList] | None
+    task: Callable[[nn.Module, Sizes, torch.device, torch.dtype], Task] = _language_model_task
 
-    def build(self, device: torch.device) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    def build(self, device: torch.device) -> Task:
+        """The model (random weights, bf16 on CUDA) with its loss, and one batch."""
         sizes = self.gpu if device.type == "cuda" else self.cpu
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         model = self.make(sizes).to(device=device, dtype=dtype)
-        if self.make is _vit:
-            return ClassifierLoss(model), _images(sizes, device, dtype)
-        model.config._attn_implementation = "sdpa"
-        return LanguageModelLoss(model), _tokens(sizes, device)
+        return self.task(model, sizes, device, dtype)
 
 
 def _decoder_layers(task: nn.Module) -> nn.ModuleList:
@@ -192,7 +209,9 @@ MODELS = {
         ZooModel(
             "mixtral", _mixtral, Sizes(1024, 4, 16, 8, 1792, 32000, 2, 2048), TINY, _decoder_layers
         ),
-        ZooModel("vit_b16", _vit, Sizes(768, 12, 12, 12, 3072, 1000, 64, 0), TINY, None),
+        ZooModel(
+            "vit_b16", _vit, Sizes(768, 12, 12, 12, 3072, 1000, 64, 0), TINY, None, _classifier_task
+        ),
     )
 }
 
