@@ -7,6 +7,7 @@ tests/test_compat.py.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import types
 import warnings
@@ -238,6 +239,20 @@ def register_backend_name(name: str, compiler_fn: Callable[..., Any]) -> None:
 
     if name not in _BACKENDS or _BACKENDS[name] is None:
         register_backend(compiler_fn=compiler_fn, name=name)
+
+
+def is_aten_op(target: object) -> bool:
+    """Whether a graph node's target is one overload of an ATen (or custom library) op."""
+    return isinstance(target, torch._ops.OpOverload)
+
+
+@functools.cache
+def returns_view_of_input(op: Any) -> bool:
+    """Whether ``op`` (an op overload) returns one result, a tensor or a list of tensors
+    (``unbind``), aliasing an input without writing it: a view op."""
+    returns = op._schema.returns
+    alias = returns[0].alias_info if len(returns) == 1 else None
+    return alias is not None and not alias.is_write
 
 
 def argument_names(op: Any) -> list[str]:

@@ -62,11 +62,7 @@ def is_view(node: torch.fx.Node) -> bool:
         return False
     if target is operator.getitem:
         return is_view(node.args[0])
-    if not isinstance(target, torch._ops.OpOverload):
-        return False
-    returns = target._schema.returns
-    alias = returns[0].alias_info if len(returns) == 1 else None
-    return alias is not None and not alias.is_write
+    return _compat.is_aten_op(target) and _compat.returns_view_of_input(target)
 
 
 def storage_root(node: torch.fx.Node) -> torch.fx.Node:
@@ -101,7 +97,7 @@ def is_fusible(node: torch.fx.Node) -> bool:
     target = node.target
     if target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
         return is_fusible(node.args[0])
-    return isinstance(target, torch._ops.OpOverload) and not _FUSIBLE_TAGS.isdisjoint(target.tags)
+    return _compat.is_aten_op(target) and not _FUSIBLE_TAGS.isdisjoint(target.tags)
 
 
 def _consumers(node: torch.fx.Node) -> list[torch.fx.Node]:

@@ -161,3 +161,14 @@ def test_backend_names_and_compiled_modules_are_recognised():
     module = torch.nn.Linear(2, 2)
     assert not _compat.is_compiled_module(module)
     assert _compat.is_compiled_module(torch.compile(module))
+
+
+def test_view_ops_are_told_from_ops_that_write_or_copy():
+    aten = torch.ops.aten
+    assert _compat.is_aten_op(aten.view.default) and not _compat.is_aten_op(len)
+    assert _compat.returns_view_of_input(aten.view.default)
+    assert _compat.returns_view_of_input(aten.transpose.int)
+    assert not _compat.returns_view_of_input(aten.add_.Tensor)  # writes its input
+    assert not _compat.returns_view_of_input(aten.clone.default)
+    assert _compat.returns_view_of_input(aten.unbind.int)  # a list of views of its input
+    assert not _compat.returns_view_of_input(aten.var_mean.correction)  # two new tensors
