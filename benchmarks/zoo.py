@@ -114,12 +114,17 @@ def _gpt2(s: Sizes) -> nn.Module:
     return t.GPT2LMHeadModel(config)
 
 
+def _image_size(s: Sizes) -> int:
+    """ViT-B/16's 224 pixels at full width; 32 for the CPU's tiny model."""
+    return 224 if s.hidden >= 256 else 32
+
+
 def _vit(s: Sizes) -> nn.Module:
     try:
         from torchvision.models import VisionTransformer
     except ImportError as error:
         raise Unavailable(f"torchvision does not import here: {error}") from error
-    image = 224 if s.hidden >= 256 else 32
+    image = _image_size(s)
     patch = 16 if image == 224 else 8
     return VisionTransformer(
         image, patch, s.layers, s.heads, s.hidden, s.intermediate, num_classes=1000
@@ -134,7 +139,7 @@ def _tokens(s: Sizes, device: torch.device) -> dict[str, torch.Tensor]:
 
 def _images(s: Sizes, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    image = 224 if s.hidden >= 256 else 32
+    image = _image_size(s)
     pixels = torch.randn(s.batch, 3, image, image, generator=gen).to(device, dtype)
     return {
         "pixels": pixels,

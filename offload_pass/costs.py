@@ -69,7 +69,8 @@ def node_seconds(
     device present), else the larger of its FLOPs and its traffic over the rates."""
     if node.op != "call_function" or node.target is operator.getitem or is_view(node):
         return 0.0
-    measured = None if timer is None else timer(node)
+    flops = _compat.flop_count(node)
+    measured = timer(node) if timer is not None and flops else None
     if measured is not None:
         return measured
     value = node.meta.get("val")
@@ -77,7 +78,6 @@ def node_seconds(
     traffic = sum(tensor_bytes(arg.meta.get("val")) for arg in read)
     if materializes(node):
         traffic += sum(tensor_bytes(v) for v in tensor_values(value))
-    flops = _compat.flop_count(node)
     dtype = next((v.dtype for v in tensor_values(value)), torch.float32)
     return max(flops / profile.matrix_rate(dtype), traffic / profile.memory_bandwidth)
 

@@ -71,12 +71,13 @@ def _as_tensor(node: torch.fx.Node) -> torch.fx.Node | None:
 
 @dataclasses.dataclass(frozen=True)
 class _Sites:
-    """One moved storage's nodes: its producer and the node its wait follows, in forward;
-    the node its reload precedes, its first use, and the inputs receiving its saved
-    values, in backward."""
+    """One moved storage's nodes: its producer, the kernels reading it and the node its
+    wait follows, in forward; the node its reload precedes, its first use, and the
+    inputs receiving its saved values, in backward."""
 
     group: SavedGroup
     root: torch.fx.Node
+    readers: tuple[torch.fx.Node, ...]
     wait_after: torch.fx.Node
     reload_before: torch.fx.Node
     first_use: torch.fx.Node
@@ -100,6 +101,7 @@ def _resolve(
             _Sites(
                 groups[t.root],
                 forward[t.offload_at],
+                tuple(by_name[r] for r in groups[t.root].forward_readers),
                 forward[t.wait_at],
                 backward[t.reload_at],
                 backward[t.need_at],
@@ -112,7 +114,6 @@ def _resolve(
 
 def _wait_tokens(
     site: _Sites,
-    readers: Sequence[torch.fx.Node],
     tickets: dict[torch.fx.Node, torch.fx.Node],
     order: dict[torch.fx.Node, int],
 ) -> list[torch.fx.Node]:
@@ -120,7 +121,7 @@ def _wait_tokens(
     point the planner chose. (Depending on the readers' results keeps a compiler from
     computing a fused read after the wait.) A moved storage stands in by its ticket, so
     its own wait stays its last use. ``order``: each forward node's position."""
-    tensors = [_as_tensor(r) for r in readers]
+    tensors = [_as_tensor(r) for r in site.readers]
     candidates = [t for t in [*tensors, *_token_before(site.wait_after)] if t is not None]
     found = [tickets.get(t, t) for t in candidates]
     return [
@@ -133,15 +134,13 @@ def rewrite_forward(
 ) -> dict[torch.fx.Node, torch.fx.Node]:
     """Insert offload and offload_wait; return the host node of each moved root."""
     graph = forward.graph
-    by_name = {n.name: n for n in graph.nodes}
-    readers = {s.root: [by_name[r] for r in s.group.forward_readers] for s in sites}
     layouts = {s.root: dense_layout(s.root.meta["val"]) for s in sites}
     tickets: dict[torch.fx.Node, torch.fx.Node] = {}
     for s in sites:
         with graph.inserting_after(s.root):
             tickets[s.root] = _add_node(graph, ops.OFFLOAD, (s.root, layouts[s.root]), s.root)
     order = {n: i for i, n in enumerate(graph.nodes)}
-    tokens = {s.root: _wait_tokens(s, readers[s.root], tickets, order) for s in sites}
+    tokens = {s.root: _wait_tokens(s, tickets, order) for s in sites}
     host: dict[torch.fx.Node, torch.fx.Node] = {}
     for s in reversed(sites):
         anchor = tickets.get(s.wait_after, s.wait_after)

@@ -29,13 +29,12 @@ from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from accelerate.utils import TorchDynamoPlugin  # noqa: E402
 from transformers import (  # noqa: E402
     DataCollatorWithFlattening,
-    LlamaConfig,
     LlamaForCausalLM,
     Trainer,
     TrainingArguments,
 )
 
-VOCAB = 256
+VOCAB = zoo.VOCAB
 BATCH = 2
 ACCUMULATION = 2
 STEPS = 3
@@ -45,19 +44,11 @@ Batch = dict[str, torch.Tensor]
 
 
 def llama() -> LlamaForCausalLM:
+    """The zoo's Llama, seeded, without a KV cache (training uses none)."""
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
-        attn_implementation="sdpa",
-        use_cache=False,
-    )
-    return LlamaForCausalLM(config)
+    model = zoo.llama()
+    model.config.use_cache = False
+    return model
 
 
 class Sequences(torch.utils.data.Dataset):
