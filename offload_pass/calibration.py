@@ -1,23 +1,38 @@
-"""Measure a CUDA device's copy bandwidths, matrix rates and memory bandwidth, once per
-process and device; or, with every local rank copying at once, the copy bandwidths each
-rank of a host actually gets (``calibrate_shared``). ``profile_for`` picks the profile a
-chunk is planned with, measuring the device where no built-in one fits."""
+"""Measure a CUDA device's copy bandwidths, matrix rates and memory bandwidth, and the
+host's time for the transfer ops, once per process and device; or, with every local rank
+copying at once, the copy bandwidths each rank of a host actually gets
+(``calibrate_shared``). ``profile_for`` picks the profile a chunk is planned with,
+measuring the device where no built-in one fits.
+
+A compiled kernel's host cost is not measured here (that takes compiling code, and
+calibration runs inside a compile): it is the built-in figure, which
+``python -m benchmarks.op_overhead`` measures."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from offload_pass.profiles import BUILT_IN, CALIBRATE, DeviceProfile, built_in_for_name
+from offload_pass import _compat, ops
+from offload_pass.profiles import (
+    BUILT_IN,
+    CALIBRATE,
+    CUDA_HOST,
+    DeviceProfile,
+    built_in_for_name,
+)
 
 COPY_BYTES = 256 * 2**20
 MATMUL_SIZE = 8192
 REPEATS = 5
+HOST_CALLS = 200
 
 
 def _seconds(work: Callable[[], None], align: Callable[[], None] = lambda: None) -> float:
@@ -86,17 +101,59 @@ def _matmul_rate(device: torch.device, dtype: torch.dtype, size: int) -> float:
     return 2 * size**3 / _seconds(lambda: torch.mm(a, b))
 
 
+@dataclasses.dataclass(frozen=True)
+class TransferHostSeconds:
+    """Host seconds per call of each transfer op."""
+
+    offload: float
+    offload_wait: float
+    reload: float
+    reload_wait: float
+
+    @property
+    def per_offload(self) -> float:
+        return self.offload + self.offload_wait
+
+    @property
+    def per_reload(self) -> float:
+        return self.reload + self.reload_wait
+
+
+def _each(call: Callable[[Any], Any], inputs: Sequence[Any]) -> tuple[float, list[Any]]:
+    """Host seconds per call of ``call`` on each of ``inputs`` after the first, and the
+    results."""
+    results = [call(inputs[0])]
+    start = time.perf_counter()
+    results += [call(x) for x in inputs[1:]]
+    return (time.perf_counter() - start) / (len(inputs) - 1), results
+
+
+def transfer_host_seconds(device: torch.device, calls: int = HOST_CALLS) -> TransferHostSeconds:
+    """The host's time for the four transfer ops, on tensors small enough that the copies
+    themselves cost nothing: what each storage moved adds to the host's side of a step."""
+    a = torch.randn(256, device=device)
+    layout = (0,)
+    offload, tickets = _each(lambda _: ops.OFFLOAD(a, layout), range(calls))
+    offload_wait, hosts = _each(lambda t: ops.OFFLOAD_WAIT(t, a, layout, []), tickets)
+    reload, tickets = _each(lambda _: ops.RELOAD(hosts[0], device, []), range(calls))
+    reload_wait, _ = _each(lambda t: ops.RELOAD_WAIT(t, hosts[0], device), tickets)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return TransferHostSeconds(offload, offload_wait, reload, reload_wait)
+
+
 @functools.cache
 def calibrate(device_index: int) -> DeviceProfile:
     """Measure ``cuda:device_index`` (a few seconds; cached for the process)."""
     device = torch.device("cuda", device_index)
-    with torch.cuda.device(device):
+    with torch.cuda.device(device), _compat.outside_fake_mode():
         copies = _copy_bandwidths(device, lambda: None)
         on_device = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
         other = torch.empty_like(on_device)
         memory = 2 * COPY_BYTES / _seconds(lambda: other.copy_(on_device))
         bf16 = _matmul_rate(device, torch.bfloat16, MATMUL_SIZE)
         fp32 = _matmul_rate(device, torch.float32, MATMUL_SIZE // 2)
+        host = transfer_host_seconds(device)
     name = f"calibrated {torch.cuda.get_device_name(device)}"
     return DeviceProfile(
         name,
@@ -106,6 +163,9 @@ def calibrate(device_index: int) -> DeviceProfile:
         copies.device_to_host,
         copies.host_to_device,
         copies.both_directions,
+        kernel_launch_seconds=CUDA_HOST["kernel_launch_seconds"],
+        offload_host_seconds=host.per_offload,
+        reload_host_seconds=host.per_reload,
     )
 
 

@@ -6,6 +6,7 @@ products, convolutions and attention are timed on it instead (timing.py). Pointw
 ops and reductions fuse into their neighbours, as Inductor fuses them: a value that only
 fusible ops read is never written to memory, and costs neither bytes nor memory; each
 kernel that reads it computes it again, so what it is computed from is read there.
+Each node whose result is written to memory is one kernel the host issues.
 Memory is tracked per storage: allocated where it is produced, freed after its last read
 in forward or backward; the chunk's inputs (parameters, the batch) are resident
 throughout and backward's outputs (gradients) are kept to the end. Positions run over
@@ -37,13 +38,17 @@ from offload_pass.timing import NodeTimer
 
 @dataclasses.dataclass(frozen=True)
 class ChunkCosts:
-    """Per position: seconds of each forward and backward node; bytes ``allocated`` when
-    it runs and ``freed`` after it. ``backward_inputs``: backward's leading placeholders.
-    ``forward_names``/``backward_names``: the node at each position."""
+    """Per position: seconds of each forward and backward node, and kernels the host
+    issues for it (``forward_launches``/``backward_launches``, 0 or 1); bytes
+    ``allocated`` when it runs and ``freed`` after it. ``backward_inputs``: backward's
+    leading placeholders. ``forward_names``/``backward_names``: the node at each
+    position."""
 
     profile: DeviceProfile
     forward_seconds: tuple[float, ...]
     backward_seconds: tuple[float, ...]
+    forward_launches: tuple[int, ...]
+    backward_launches: tuple[int, ...]
     resident_bytes: int
     allocated: tuple[int, ...]
     freed: tuple[int, ...]
@@ -82,6 +87,13 @@ def node_seconds(
     return max(flops / profile.matrix_rate(dtype), traffic / profile.memory_bandwidth)
 
 
+def kernel_launches(node: torch.fx.Node) -> int:
+    """Kernels the host issues for ``node``: one where its result is written to memory."""
+    return int(
+        node.op == "call_function" and node.target is not operator.getitem and materializes(node)
+    )
+
+
 def estimate_costs(
     chunk: ChunkGraphs, profile: DeviceProfile, timer: NodeTimer | None = None
 ) -> ChunkCosts:
@@ -92,6 +104,8 @@ def estimate_costs(
         profile=profile,
         forward_seconds=tuple(node_seconds(n, profile, timer) for n in forward),
         backward_seconds=tuple(node_seconds(n, profile, timer) for n in backward),
+        forward_launches=tuple(kernel_launches(n) for n in forward),
+        backward_launches=tuple(kernel_launches(n) for n in backward),
         resident_bytes=sum(
             tensor_bytes(n.meta.get("val")) for n in forward if n.op == "placeholder"
         ),

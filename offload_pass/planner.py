@@ -7,7 +7,9 @@ Selection, per chunk:
   device-to-host queue finishes by the end of forward, then backward's reloads, latest
   needed first, while the host-to-device queue brings each back before its first use,
   or late by no more than ``stall_tolerance`` of the step in all; a copy that makes
-  compute wait stays only if the predicted peak is higher without it;
+  compute wait stays only if the predicted peak is higher without it; then, where the
+  host's time for the transfer ops would lengthen the step by more than the tolerance,
+  the smallest storages stay;
 - ``memory_budget`` moves the fewest candidates, those ``auto`` would move first, that
   bring the predicted peak under the budget, at the overlap depth (below) whose plan is
   predicted fastest.
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import itertools
+import operator
 from collections.abc import Sequence
 
 from offload_pass.analysis import SavedGroup
@@ -45,6 +47,7 @@ from offload_pass.simulate import (
     Transfer,
     peak_bytes,
     simulate,
+    unhindered_starts,
 )
 
 OFFLOAD_MARGIN = 1.05
@@ -56,6 +59,7 @@ MOVED = "moved"
 TOO_SMALL = "too small"
 FRACTION_REACHED = "fraction reached"
 WOULD_NOT_HIDE = "would not hide"
+SLOWS_THE_STEP = "slows the step"
 BUDGET_MET = "budget met"
 
 
@@ -107,7 +111,8 @@ class ChunkPlan:
 
 @dataclasses.dataclass(frozen=True)
 class _Clocks:
-    """Compute times without stalls: forward node ends, backward node starts."""
+    """Compute times with nothing moved (the host's issuing included): forward node
+    ends, backward node starts from backward's start."""
 
     forward_end: tuple[float, ...]
     backward_start: tuple[float, ...]
@@ -115,9 +120,12 @@ class _Clocks:
 
     @classmethod
     def of(cls, costs: ChunkCosts) -> _Clocks:
+        forward_starts, backward_starts = unhindered_starts(costs)
+        forward_end = tuple(map(operator.add, forward_starts, costs.forward_seconds))
+        backward_start = forward_end[-1] if forward_end else 0.0
         return cls(
-            tuple(itertools.accumulate(costs.forward_seconds)),
-            tuple(itertools.accumulate(costs.backward_seconds, initial=0.0))[:-1],
+            forward_end,
+            tuple(start - backward_start for start in backward_starts),
             costs.backward_inputs,
         )
 
@@ -302,6 +310,39 @@ def _worth_their_stalls(
     return hidden & {g.root for g in moved}
 
 
+def _within_tolerance(
+    moving: set[str],
+    candidates: Sequence[SavedGroup],
+    forced: Sequence[SavedGroup],
+    costs: ChunkCosts,
+    clocks: _Clocks,
+    request: Request,
+) -> set[str]:
+    """``moving`` less its smallest storages, as few as it takes for the predicted step
+    to stay within ``stall_tolerance`` of the step with nothing moved.
+
+    Each storage moved costs the host the same, whatever its size: where the step is the
+    host's, the smallest save the least memory for that cost.
+    """
+    ranked = sorted(
+        (g for g in candidates if g.root in moving), key=lambda g: (-g.nbytes, g.produced_at)
+    )
+
+    def prediction(count: int) -> Prediction:
+        transfers = place([*forced, *ranked[:count]], costs, clocks, OVERLAP_DEPTH)
+        return simulate(costs, transfers, request.in_flight)
+
+    def too_slow(count: int) -> bool:
+        p = prediction(count)
+        return p.step_seconds > (1 + request.stall_tolerance) * p.baseline_seconds
+
+    if not too_slow(len(ranked)):
+        return moving
+    counts = range(len(ranked) + 1)
+    kept = max(0, bisect.bisect_left(counts, True, key=too_slow) - 1)
+    return {g.root for g in ranked[:kept]}
+
+
 def _by_share(candidates: Sequence[SavedGroup], request: Request, clocks: _Clocks) -> set[str]:
     totals: dict[str, int] = {}
     for g in candidates:
@@ -368,8 +409,12 @@ def plan_offloads(groups: Sequence[SavedGroup], costs: ChunkCosts, request: Requ
     hidden = _hides(by_mode, forced, costs, clocks, request.stall_tolerance)
     budget = _budget_bytes(request, costs)
     depth = OVERLAP_DEPTH
+    slowing: set[str] = set()
     if budget is None:
-        chosen |= _worth_their_stalls(hidden, by_mode, forced, costs, clocks, request.in_flight)
+        worth = _worth_their_stalls(hidden, by_mode, forced, costs, clocks, request.in_flight)
+        within = _within_tolerance(worth, by_mode, forced, costs, clocks, request)
+        chosen |= within
+        slowing = worth - within
         unchosen_reason = WOULD_NOT_HIDE
     else:
         ranked = sorted(by_mode, key=lambda g: (g.root not in hidden, -clocks.window(g)))
@@ -379,7 +424,10 @@ def plan_offloads(groups: Sequence[SavedGroup], costs: ChunkCosts, request: Requ
 
     moved = [g for g in groups if g.root in chosen]
     transfers = tuple(place(moved, costs, clocks, depth))
-    decisions = tuple(_decide(g, chosen, request, unchosen_reason) for g in groups)
+    decisions = tuple(
+        _decide(g, chosen, request, SLOWS_THE_STEP if g.root in slowing else unchosen_reason)
+        for g in groups
+    )
     prediction = simulate(costs, transfers, request.in_flight)
     return ChunkPlan(decisions, transfers, prediction, budget, depth)
 

@@ -3,9 +3,14 @@
 Built-in profiles are chosen from the CUDA device name. The H200's copy bandwidths were
 measured on the hardware (pinned buffers of 256 MiB), and its matrix rate is that of one
 large product (bf16, 8192^3: 790 to 805 TFLOP/s). Planned on the device present, matrix
-products, convolutions and attention are timed there instead (timing.py); the rates price them only
-when a chunk is planned for another device. The H100 and A100 figures are conservative
-shares of the vendor figures. ``calibrate`` measures the device actually present.
+products, convolutions and attention are timed there instead (timing.py); the rates price
+them only when a chunk is planned for another device. The H100 and A100 figures are
+conservative shares of the vendor figures. ``calibrate`` measures the device actually
+present.
+
+The host costs are those of the H200 machine's host (``python -m benchmarks.op_overhead
+--device cuda``, docs/gpu-validation.md, run 27): they depend on the host CPU and on
+Python, not on the GPU, so the other CUDA profiles share them.
 """
 
 from __future__ import annotations
@@ -23,6 +28,13 @@ class DeviceProfile:
     every copy then adds its whole duration to the step. ``both_directions`` (both
     copies at once, in total) is reported, not planned with: within one step a chunk's
     offloads run in forward and its reloads in backward, never at once.
+
+    Host costs, in seconds: what the host spends issuing one kernel of compiled code
+    (``kernel_launch_seconds``), one offload with its wait (``offload_host_seconds``) and
+    one reload with its wait (``reload_host_seconds``). A kernel cannot start before the
+    host has issued it, so where kernels are short the step is the host's, and every
+    transfer op lengthens it. Zero where the host is the device (CPU): there, the host's
+    time is the compute time already.
     """
 
     name: str
@@ -33,26 +45,49 @@ class DeviceProfile:
     host_to_device: float
     both_directions: float
     copies_overlap_compute: bool = True
+    kernel_launch_seconds: float = 0.0
+    offload_host_seconds: float = 0.0
+    reload_host_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if isinstance(value, float) and not value > 0:
+            if field.name in _HOST_COSTS:
+                if not (isinstance(value, float | int) and value >= 0):
+                    raise ValueError(
+                        f"DeviceProfile.{field.name} must be a number of seconds >= 0, "
+                        f"got {value!r}"
+                    )
+            elif isinstance(value, float) and not value > 0:
                 raise ValueError(f"DeviceProfile.{field.name} must be positive, got {value!r}")
 
     def matrix_rate(self, dtype: torch.dtype) -> float:
         return self.fp32_flops if dtype in (torch.float32, torch.float64) else self.matmul_flops
 
 
+_HOST_COSTS = frozenset({"kernel_launch_seconds", "offload_host_seconds", "reload_host_seconds"})
+
 GB = 1e9
 TFLOPS = 1e12
+US = 1e-6
+CUDA_HOST = {
+    "kernel_launch_seconds": 13.2 * US,
+    "offload_host_seconds": (78.5 + 21.6) * US,
+    "reload_host_seconds": (68.4 + 20.9) * US,
+}
+"""Measured on the H200 machine's host (run 27): per Inductor kernel; offload plus
+offload_wait; reload plus reload_wait."""
 
 BUILT_IN: dict[str, DeviceProfile] = {
     "h200": DeviceProfile(
-        "h200", 790 * TFLOPS, 50 * TFLOPS, 4000 * GB, 54.6 * GB, 55.3 * GB, 96.3 * GB
+        "h200", 790 * TFLOPS, 50 * TFLOPS, 4000 * GB, 54.6 * GB, 55.3 * GB, 96.3 * GB, **CUDA_HOST
     ),
-    "h100": DeviceProfile("h100", 650 * TFLOPS, 45 * TFLOPS, 2800 * GB, 50 * GB, 50 * GB, 90 * GB),
-    "a100": DeviceProfile("a100", 250 * TFLOPS, 17 * TFLOPS, 1600 * GB, 24 * GB, 24 * GB, 40 * GB),
+    "h100": DeviceProfile(
+        "h100", 650 * TFLOPS, 45 * TFLOPS, 2800 * GB, 50 * GB, 50 * GB, 90 * GB, **CUDA_HOST
+    ),
+    "a100": DeviceProfile(
+        "a100", 250 * TFLOPS, 17 * TFLOPS, 1600 * GB, 24 * GB, 24 * GB, 40 * GB, **CUDA_HOST
+    ),
     "cpu": DeviceProfile(
         "cpu", 0.2 * TFLOPS, 0.1 * TFLOPS, 20 * GB, 10 * GB, 10 * GB, 10 * GB, False
     ),

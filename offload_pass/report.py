@@ -107,6 +107,12 @@ def why_nothing_moved(plan: Plan) -> str | None:
             "copies run on the compute thread, so none can hide under compute (pass "
             "fraction= or memory_budget= to move activations anyway)"
         )
+    if any(d.reason == planner.SLOWS_THE_STEP for d in plan.decisions):
+        return (
+            f"{plan.chunk}: auto moves nothing: the device waits for the host here "
+            f"({format_seconds(plan.prediction.host_wait_seconds)} of the step), and the "
+            "host's time for the transfer ops would slow the step beyond stall_tolerance"
+        )
     return None
 
 
@@ -118,7 +124,8 @@ def summary(plan: Plan) -> str:
         f"{format_bytes(plan.bytes_saved_for_backward)}",
         f"predicted peak {format_bytes(p.baseline_peak_bytes)} -> {format_bytes(p.peak_bytes)}; "
         f"step {format_seconds(p.baseline_seconds)} -> {format_seconds(p.step_seconds)} "
-        f"(stall {format_seconds(p.stall_seconds)})",
+        f"(stall {format_seconds(p.stall_seconds)}, "
+        f"waiting on the host {format_seconds(p.host_wait_seconds)})",
     ]
     if plan.planned.budget_bytes is not None:
         shortfall = plan.planned.budget_shortfall
@@ -168,10 +175,11 @@ def format_model(plans: Sequence[Plan]) -> str:
     base = sum(p.prediction.baseline_seconds for p in plans)
     step = sum(p.prediction.step_seconds for p in plans)
     stall = sum(p.prediction.stall_seconds for p in plans)
+    host_wait = sum(p.prediction.host_wait_seconds for p in plans)
     totals = (
         f"model: {len(plans)} chunks, {format_bytes(moved)} of {format_bytes(saved)} of saved "
         f"activations moved; predicted step {format_seconds(base)} -> {format_seconds(step)} "
-        f"(stall {format_seconds(stall)})"
+        f"(stall {format_seconds(stall)}, waiting on the host {format_seconds(host_wait)})"
     )
     return "\n\n".join([*(format_plan(p) for p in plans), totals])
 

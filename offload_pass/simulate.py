@@ -1,11 +1,14 @@
-"""Simulate one step of a chunk under a set of transfers: the compute stream, the two copy
-queues, and the device memory timeline.
+"""Simulate one step of a chunk under a set of transfers: the host, the compute stream,
+the two copy queues, and the device memory timeline.
 
 Each copy queue is one FIFO stream. An offload starts when both its producer has run and
 the device-to-host queue is free; a reload when it is issued, the host-to-device queue is
 free and its offload has finished. The compute stream stalls at a wait whose copy has not
 finished. Where copies do not overlap compute (CPU) each copy stalls compute for its whole
-duration.
+duration. The host issues every kernel and transfer op in graph order, each at its cost
+in the device profile; nothing starts on the device before the host has issued it, so
+where the host is slower than the device (short kernels), each transfer op lengthens
+the step by its host cost.
 """
 
 from __future__ import annotations
@@ -60,11 +63,14 @@ class CopyPrediction:
 @dataclasses.dataclass(frozen=True)
 class Prediction:
     """One step as simulated; times in seconds from the start of forward.
-    ``forward_starts``/``backward_starts``: when each node starts computing."""
+    ``stall_seconds``: compute waiting for copies; ``host_wait_seconds``: compute waiting
+    for the host to issue its kernels. ``forward_starts``/``backward_starts``: when each
+    node starts computing."""
 
     forward_seconds: float
     backward_seconds: float
     stall_seconds: float
+    host_wait_seconds: float
     peak_bytes: int
     baseline_seconds: float
     baseline_peak_bytes: int
@@ -134,18 +140,37 @@ class DeadlineChain:
         return self.next_start
 
 
-class _Compute:
-    """The compute stream's clock, and the time it spent waiting for copies."""
+class _Streams:
+    """The host's clock (how far it has issued work), the compute stream's clock, and
+    what compute waited for: copies (``stall``) and the host (``host_wait``).
 
-    def __init__(self, overlap: bool) -> None:
+    A kernel starts once the compute stream is free and the host has issued it; a copy
+    once its queue is free, the compute stream has reached the point it was issued at,
+    and the host has issued it. Where copies cannot overlap compute, compute waits for
+    each copy."""
+
+    def __init__(self, costs: ChunkCosts) -> None:
+        self.profile = costs.profile
+        self.host = 0.0
         self.clock = 0.0
         self.stall = 0.0
-        self.overlap = overlap
+        self.host_wait = 0.0
 
-    def issue(self, queue: CopyQueue, ready: float, seconds: float) -> tuple[float, float]:
-        """A copy issued now; where copies cannot overlap compute, compute waits for it."""
-        start, end = queue.push(max(self.clock, ready), seconds)
-        if not self.overlap:
+    def run(self, seconds: float, launches: int) -> float:
+        """Issue and run one node; when it starts."""
+        self.host += launches * self.profile.kernel_launch_seconds
+        start = max(self.clock, self.host)
+        self.host_wait += start - self.clock
+        self.clock = start + seconds
+        return start
+
+    def issue(
+        self, queue: CopyQueue, ready: float, seconds: float, host_seconds: float
+    ) -> tuple[float, float]:
+        """A copy issued now, which may start once ``ready``."""
+        self.host += host_seconds
+        start, end = queue.push(max(self.clock, self.host, ready), seconds)
+        if not self.profile.copies_overlap_compute:
             self.wait_for(end)
         return start, end
 
@@ -179,21 +204,31 @@ def peak_bytes(costs: ChunkCosts, transfers: Sequence[Transfer], in_flight: int 
     return costs.resident_bytes + others + max(live, default=0)
 
 
-def simulate(costs: ChunkCosts, transfers: Sequence[Transfer], in_flight: int = 1) -> Prediction:
-    streams = _Compute(costs.profile.copies_overlap_compute)
+@dataclasses.dataclass(frozen=True)
+class _Timeline:
+    streams: _Streams
+    forward_end: float
+    copies: tuple[_Copy, ...]
+    forward_starts: tuple[float, ...]
+    backward_starts: tuple[float, ...]
+
+
+def _run(costs: ChunkCosts, transfers: Sequence[Transfer]) -> _Timeline:
+    streams = _Streams(costs)
+    profile = costs.profile
     copies = {t.root: _Copy(t) for t in transfers}
     offloads, waits = _by(transfers, "offload_at"), _by(transfers, "wait_at")
     reloads, needs = _by(transfers, "reload_at"), _by(transfers, "need_at")
 
     device_to_host = CopyQueue()
     forward_starts = []
-    for i, seconds in enumerate(costs.forward_seconds):
-        forward_starts.append(streams.clock)
-        streams.clock += seconds
+    forward = zip(costs.forward_seconds, costs.forward_launches, strict=True)
+    for i, (seconds, launches) in enumerate(forward):
+        forward_starts.append(streams.run(seconds, launches))
         for t in offloads.get(i, ()):
             c = copies[t.root]
             c.offload_start, c.offload_end = streams.issue(
-                device_to_host, 0.0, costs.offload_seconds(t.nbytes)
+                device_to_host, 0.0, costs.offload_seconds(t.nbytes), profile.offload_host_seconds
             )
         for t in waits.get(i, ()):
             copies[t.root].stall += streams.wait_for(copies[t.root].offload_end)
@@ -201,24 +236,40 @@ def simulate(costs: ChunkCosts, transfers: Sequence[Transfer], in_flight: int = 
 
     host_to_device = CopyQueue()
     backward_starts = []
-    for j, seconds in enumerate(costs.backward_seconds):
+    backward = zip(costs.backward_seconds, costs.backward_launches, strict=True)
+    for j, (seconds, launches) in enumerate(backward):
         for t in sorted(reloads.get(j, ()), key=lambda t: t.need_at):
             c = copies[t.root]
             c.reload_start, c.reload_end = streams.issue(
-                host_to_device, c.offload_end, costs.reload_seconds(t.nbytes)
+                host_to_device,
+                c.offload_end,
+                costs.reload_seconds(t.nbytes),
+                profile.reload_host_seconds,
             )
         for t in needs.get(j, ()):
             copies[t.root].stall += streams.wait_for(copies[t.root].reload_end)
-        backward_starts.append(streams.clock)
-        streams.clock += seconds
+        backward_starts.append(streams.run(seconds, launches))
+    return _Timeline(
+        streams, forward_end, tuple(copies.values()), tuple(forward_starts), tuple(backward_starts)
+    )
 
-    baseline = sum(costs.forward_seconds) + sum(costs.backward_seconds)
+
+def unhindered_starts(costs: ChunkCosts) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """When each forward and each backward node starts with nothing moved."""
+    timeline = _run(costs, ())
+    return timeline.forward_starts, timeline.backward_starts
+
+
+def simulate(costs: ChunkCosts, transfers: Sequence[Transfer], in_flight: int = 1) -> Prediction:
+    timeline = _run(costs, transfers)
+    streams = timeline.streams
     return Prediction(
-        forward_seconds=forward_end,
-        backward_seconds=streams.clock - forward_end,
+        forward_seconds=timeline.forward_end,
+        backward_seconds=streams.clock - timeline.forward_end,
         stall_seconds=streams.stall,
+        host_wait_seconds=streams.host_wait,
         peak_bytes=peak_bytes(costs, transfers, in_flight),
-        baseline_seconds=baseline,
+        baseline_seconds=_run(costs, ()).streams.clock,
         baseline_peak_bytes=peak_bytes(costs, (), in_flight),
         copies=tuple(
             CopyPrediction(
@@ -230,8 +281,8 @@ def simulate(costs: ChunkCosts, transfers: Sequence[Transfer], in_flight: int = 
                 c.reload_end,
                 c.stall,
             )
-            for c in copies.values()
+            for c in timeline.copies
         ),
-        forward_starts=tuple(forward_starts),
-        backward_starts=tuple(backward_starts),
+        forward_starts=timeline.forward_starts,
+        backward_starts=timeline.backward_starts,
     )

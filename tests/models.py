@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from offload_pass.profiles import BUILT_IN
+
+H200_INSTANT_HOST = dataclasses.replace(
+    BUILT_IN["h200"],
+    name="h200, instant host",
+    kernel_launch_seconds=0.0,
+    offload_host_seconds=0.0,
+    reload_host_seconds=0.0,
+)
+"""The H200 with a host that issues work instantly: a small test model plans as a large
+one does on the device. (With the host's real costs, its short kernels leave the step
+to the host, and ``auto`` moves nothing.)"""
 
 
 class MLP(nn.Module):

@@ -42,7 +42,9 @@ def _train_on_sizes(compiler, dynamic, inputs, **options) -> offload_pass.Offloa
 @pytest.mark.parametrize("dynamic", [None, True], ids=["dynamic_none", "dynamic_true"])
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
 @pytest.mark.parametrize(
-    "options", [{"fraction": 1.0}, {"profile": "h200"}], ids=["fraction_1", "auto_h200"]
+    "options",
+    [{"fraction": 1.0}, {"profile": models.H200_INSTANT_HOST}],
+    ids=["fraction_1", "auto_h200"],
 )
 def test_sequence_lengths_that_change_train_like_the_unoffloaded_model(compiler, dynamic, options):
     inputs = [torch.randn(2, length, 32) for length in SEQUENCE_LENGTHS]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from offload_pass.costs import estimate_costs, node_seconds
+from offload_pass.costs import estimate_costs, kernel_launches, node_seconds
 from offload_pass.graphs import ChunkGraphs, materializes
 from offload_pass.profiles import BUILT_IN, DeviceProfile
 from offload_pass.simulate import peak_bytes
@@ -82,6 +82,23 @@ def test_memory_timeline_follows_each_storage_from_producer_to_last_use():
     assert costs.backward_inputs == 2
     # the peak is while mul runs: y, the loss, the tangent and the gradient are live
     assert peak_bytes(costs, ()) == costs.resident_bytes + 192 + 4 + 4 + 192
+
+
+def test_the_host_issues_one_kernel_per_value_written_to_memory():
+    # forward: x, w, mm, relu, sum, output; relu fuses into sum
+    costs = estimate_costs(_chunk(), PROFILE)
+    assert costs.forward_launches == (0, 0, 1, 0, 1, 0)
+    relu = _node(_chunk().forward.graph, torch.ops.aten.relu.default)
+    assert kernel_launches(relu) == 0
+    # backward: y, tangent, mul, output
+    assert costs.backward_launches == (0, 0, 1, 0)
+
+
+def test_host_costs_are_zero_or_more_seconds():
+    assert BUILT_IN["cpu"].kernel_launch_seconds == 0
+    assert BUILT_IN["h200"].offload_host_seconds > 0
+    with pytest.raises(ValueError, match="reload_host_seconds must be a number of seconds >= 0"):
+        dataclasses.replace(PROFILE, reload_host_seconds=-1e-6)
 
 
 def test_built_in_profiles_are_positive_and_cpu_copies_do_not_overlap():

@@ -76,12 +76,25 @@ def test_explain_plans_a_cpu_model_for_the_profile_it_is_given():
     torch.manual_seed(0)
     model = models.BlockStack(dim=256, heads=4, depth=4)
     x = torch.randn(2, 512, 256)
-    on_h200 = offload_pass.explain(model, x, profile="h200").plans[0]
+    on_h200 = offload_pass.explain(model, x, profile=models.H200_INSTANT_HOST).plans[0]
     on_cpu = offload_pass.explain(model, x).plans[0]
-    assert (on_h200.profile.name, on_cpu.profile.name) == ("h200", "cpu")
+    assert (on_h200.profile.name, on_cpu.profile.name) == ("h200, instant host", "cpu")
     assert on_h200.moved, "auto moves what hides under an H200's compute"
     assert not on_cpu.moved, "on the CPU copies do not overlap compute"
     assert on_h200.prediction.peak_bytes < on_h200.prediction.baseline_peak_bytes
+
+
+def test_explain_says_when_the_host_leaves_auto_nothing_to_move():
+    # the same small model on an H200 with its host: kernels of microseconds, each issued
+    # in 13 us, so the step is the host's and every transfer op would lengthen it
+    torch.manual_seed(0)
+    model = models.BlockStack(dim=256, heads=4, depth=4)
+    report = offload_pass.explain(model, torch.randn(2, 512, 256), profile="h200")
+    (plan,) = report.plans
+    assert not plan.moved
+    assert plan.prediction.host_wait_seconds > 0.5 * plan.prediction.baseline_seconds
+    assert "slows the step" in {d.reason for d in plan.decisions}
+    assert "the device waits for the host here" in str(report)
 
 
 def test_cli_prints_the_report_for_an_example_model(capsys):

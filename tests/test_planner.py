@@ -20,12 +20,14 @@ from offload_pass.planner import (
     FRACTION_REACHED,
     MOVED,
     OVERLAP_DEPTH,
+    SLOWS_THE_STEP,
     WOULD_NOT_HIDE,
     ChunkPlan,
     Request,
     plan_offloads,
 )
 from offload_pass.profiles import DeviceProfile
+from offload_pass.simulate import simulate
 
 MS = 1e-3
 MB = 10**6
@@ -60,7 +62,17 @@ def chunk(
     for g in groups:
         allocated[g.produced_at] += g.nbytes
         freed[len(forward) + g.first_backward_use] += g.nbytes
-    return ChunkCosts(profile, forward, backward, 0, tuple(allocated), tuple(freed), 1)
+    return ChunkCosts(
+        profile=profile,
+        forward_seconds=forward,
+        backward_seconds=backward,
+        forward_launches=tuple(int(s > 0) for s in forward),
+        backward_launches=tuple(int(s > 0) for s in backward),
+        resident_bytes=0,
+        allocated=tuple(allocated),
+        freed=tuple(freed),
+        backward_inputs=1,
+    )
 
 
 def plan(
@@ -155,6 +167,58 @@ def test_simulation_of_a_plan_that_stalls_matches_the_hand_computed_timeline():
     assert copies["a8"].stall == pytest.approx(6 * MS)
     assert copies["a8"].hidden_share == pytest.approx(0.25)
     assert copies["a0"].hidden_share == 1.0
+
+
+HOST_BOUND = dataclasses.replace(
+    PROFILE, kernel_launch_seconds=2 * MS, offload_host_seconds=3 * MS, reload_host_seconds=3 * MS
+)
+"""The host takes 2 ms to issue each kernel of 1 ms: the step is the host's."""
+
+
+def test_the_device_waits_for_the_host_to_issue_its_kernels():
+    # 20 kernels, issued 2 ms apart; the last starts at 40 ms and runs 1 ms.
+    prediction = simulate(chunk([], HOST_BOUND), ())
+    assert prediction.step_seconds == pytest.approx(41 * MS)
+    assert prediction.host_wait_seconds == pytest.approx(21 * MS)
+    assert prediction.baseline_seconds == pytest.approx(41 * MS)
+
+
+def test_each_transfer_lengthens_a_host_bound_step_by_its_host_time():
+    result = plan([group(0, MB)], share=1.0, profile=HOST_BOUND)
+    assert moved(result) == ["a0"]
+    assert result.prediction.stall_seconds == 0
+    assert result.prediction.step_seconds == pytest.approx((41 + 3 + 3) * MS)
+
+
+def test_auto_moves_nothing_whose_host_time_slows_the_step_beyond_its_tolerance():
+    # moving a0 costs 6 ms of a 41 ms step: 15%
+    assert reasons(plan([group(0, MB)], tolerance=0.1, profile=HOST_BOUND)) == {
+        "a0": SLOWS_THE_STEP
+    }
+    assert moved(plan([group(0, MB)], tolerance=0.2, profile=HOST_BOUND)) == ["a0"]
+
+
+def test_auto_keeps_the_largest_storages_when_the_host_limits_how_many_move():
+    # each storage moved costs 6 ms; a tolerance of 0.3 (12.3 ms) pays for two of three
+    groups = [group(0, MB), group(1, 2 * MB), group(2, MB // 2)]
+    result = plan(groups, tolerance=0.3, profile=HOST_BOUND)
+    assert reasons(result) == {"a0": MOVED, "a1": MOVED, "a2": SLOWS_THE_STEP}
+    assert result.prediction.step_seconds <= 1.3 * result.prediction.baseline_seconds
+
+
+def test_host_time_hidden_behind_the_device_costs_nothing():
+    # kernels of 1 ms issued in 0.1 ms each: the host runs ahead and its transfer ops
+    # (0.2 ms each) hide behind the device, as in the first test without host costs
+    ahead = dataclasses.replace(
+        PROFILE,
+        kernel_launch_seconds=0.1 * MS,
+        offload_host_seconds=0.2 * MS,
+        reload_host_seconds=0.2 * MS,
+    )
+    result = plan(THREE, profile=ahead)
+    assert moved(result) == ["a0", "a1"]
+    assert result.prediction.step_seconds == pytest.approx(result.prediction.baseline_seconds)
+    assert result.prediction.baseline_seconds == pytest.approx(20.1 * MS)
 
 
 def test_fraction_prefers_the_candidates_whose_copies_hide_best():
