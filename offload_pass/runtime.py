@@ -144,6 +144,24 @@ def _host_buffer(a: torch.Tensor, layout: Sequence[int]) -> torch.Tensor:
         ) from error
 
 
+def _same_layout(a: torch.Tensor, h: torch.Tensor) -> bool:
+    """Whether ``a`` and ``h`` lay their elements out alike (dimensions of one element
+    have any stride): then one flat copy moves ``a`` into ``h``."""
+    return all(n <= 1 or x == y for n, x, y in zip(a.shape, a.stride(), h.stride(), strict=True))
+
+
+def _in_layout_of(h: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """``a``, or a copy of it on the device laid out as ``h`` is where they differ (the
+    compiler chose another layout for ``a`` than the one backward was compiled for).
+
+    torch copies between devices with one flat copy only where both sides are laid out
+    alike; otherwise it stages through pageable host memory, and the copy blocks the
+    host. Reordering on the device first keeps the copy asynchronous."""
+    if _same_layout(a, h):
+        return a
+    return torch.empty_strided(a.shape, h.stride(), dtype=a.dtype, device=a.device).copy_(a)
+
+
 def offload(a: torch.Tensor, layout: Sequence[int]) -> torch.Tensor:
     with _nvtx_range("offload", a.device):
         h = _host_buffer(a, layout)
@@ -152,7 +170,7 @@ def offload(a: torch.Tensor, layout: Sequence[int]) -> torch.Tensor:
             streams = copy_streams(a.device)
             streams.device_to_host.wait_stream(torch.cuda.current_stream(a.device))
             with torch.cuda.stream(streams.device_to_host):
-                h.copy_(a, non_blocking=True)
+                h.copy_(_in_layout_of(h, a), non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(streams.device_to_host)
         else:

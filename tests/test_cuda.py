@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import time
 
 import pytest
 import torch
@@ -59,6 +60,24 @@ def test_without_the_event_wait_the_stalled_race_corrupts(monkeypatch):
     assert not same
 
 
+def test_an_offload_into_another_layout_does_not_block_the_host():
+    """The device tensor is row-major and the host buffer column-major (the layout
+    backward was compiled for): the copy still runs on the copy stream, host free."""
+    a = torch.randn(4096, 4096, device="cuda")
+    layout = (1, 0)
+    ops.offload_wait(ops.offload(a, layout), a, layout, [])  # a pinned block to reuse
+    torch.cuda.synchronize()
+    _stall(runtime.copy_streams(a.device).device_to_host)
+    start = time.perf_counter()
+    ticket = ops.offload(a, layout)
+    issued = time.perf_counter() - start
+    h = ops.offload_wait(ticket, a, layout, [])
+    torch.cuda.synchronize()
+    assert issued < STALL_MS / 1e3 / 2, f"the host waited {issued * 1e3:.0f} ms for the copy"
+    assert h.stride() == (1, 4096)
+    assert torch.equal(h, a.cpu())
+
+
 def _reload_dropped_before_its_wait() -> torch.Tensor:
     """A reload whose wait never runs (backward raised in between), then a fresh tensor
     of the same size from the compute stream, filled while the copy is still stalled."""
@@ -81,7 +100,9 @@ def test_without_record_stream_an_unwaited_reload_overwrites_a_new_tensor(monkey
     """The check above can fail: without the record, the allocator hands the buffer out
     while the copy still writes it."""
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
-    assert torch.count_nonzero(_reload_dropped_before_its_wait()) > 0
+    fresh = _reload_dropped_before_its_wait()
+    assert runtime.counts().pending_reloads == 0, "the dropped reload was not released"
+    assert torch.count_nonzero(fresh) > 0
 
 
 def _blocks(depth: int = 2, dim: int = 256, heads: int = 4) -> torch.nn.Module:
@@ -217,6 +238,17 @@ def test_profile_is_chosen_from_the_device_name():
     assert backend.plans[0].profile.name == expected
 
 
+def test_calibration_inside_a_compile_measures_real_tensors():
+    from offload_pass.calibration import calibrate
+
+    calibrate.cache_clear()  # measured here, inside the compile's fake mode
+    backend = offload_pass.backend(profile="calibrate")
+    _step(torch.compile(_blocks(), backend=backend), torch.randn(2, 128, 256, device="cuda"))
+    profile = backend.plans[0].profile
+    assert profile.name.startswith("calibrated ")
+    assert profile.device_to_host > 1e9 and profile.offload_host_seconds > 0
+
+
 def test_calibration_measures_this_device_near_its_built_in_profile():
     from offload_pass.calibration import calibrate
     from offload_pass.profiles import built_in_for_name
@@ -226,7 +258,8 @@ def test_calibration_measures_this_device_near_its_built_in_profile():
     built_in = built_in_for_name(torch.cuda.get_device_name())
     if built_in is None:
         pytest.skip("no built-in profile to compare with")
-    for field in ("matmul_flops", "memory_bandwidth", "device_to_host", "host_to_device"):
+    fields = ("matmul_flops", "memory_bandwidth", "device_to_host", "host_to_device")
+    for field in (*fields, "offload_host_seconds", "reload_host_seconds"):
         ratio = getattr(measured, field) / getattr(built_in, field)
         assert 0.5 < ratio < 2.0, (field, getattr(measured, field), getattr(built_in, field))
 
