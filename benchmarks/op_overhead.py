@@ -1,6 +1,6 @@
-"""Host time per call of each transfer op, on tensors small enough that the copies
-themselves cost nothing: what offloading adds to the host side of a step, per storage
-moved. Where steps are short (small microbatches), this is what the step pays.
+"""Host time of the transfer ops, on tensors small enough that the copies themselves
+cost nothing: what offloading adds to the host side of a step, per storage moved. Where
+steps are short (small microbatches), this is what the step pays.
 
     python -m benchmarks.op_overhead [--device cuda] [--calls 2000]
 """
@@ -26,15 +26,13 @@ def host_microseconds(call: Callable[[], object], calls: int) -> float:
 
 
 def measure(device: torch.device, calls: int) -> list[tuple[str, float]]:
-    """Host microseconds per call of each transfer op, as ``calibrate`` measures them."""
+    """Host microseconds per storage moved, as ``calibrate`` measures them."""
     ops = transfer_host_seconds(device, calls)
     a = torch.randn(256, device=device)
     return [
-        ("offload", ops.offload * 1e6),
-        ("offload_wait", ops.offload_wait * 1e6),
-        ("reload", ops.reload * 1e6),
-        ("reload_wait", ops.reload_wait * 1e6),
-        ("all four, per storage moved", (ops.per_offload + ops.per_reload) * 1e6),
+        ("offload and offload_wait", ops.offload * 1e6),
+        ("reload and reload_wait", ops.reload * 1e6),
+        ("all four, per storage moved", (ops.offload + ops.reload) * 1e6),
         ("a.clone(), for scale", host_microseconds(lambda: a.clone(), calls)),
     ]
 

@@ -11,7 +11,7 @@ import functools
 import re
 import types
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -329,9 +329,21 @@ def cuda_allocation_trace(step: Callable[[], None], device: int) -> list[dict[st
         memory._record_memory_history(None, device=device)
 
 
-def outside_fake_mode() -> contextlib.AbstractContextManager:
-    """A context in which new tensors are real, though a compile's fake mode is active
-    (the partitioner runs inside it): for timing kernels on the device."""
+@contextlib.contextmanager
+def outside_compile() -> Iterator[None]:
+    """A context in which new tensors are real and ops dispatch as in training, though a
+    compile is under way (the partitioner runs inside its fake mode, with the Python
+    dispatcher on, which makes each op call cost the host about twice as much): for
+    measuring kernels and the transfer ops."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    return unset_fake_temporarily()
+    with unset_fake_temporarily(), torch._C._DisablePythonDispatcher():
+        yield
+
+
+def spin_device(device: torch.device, cycles: int) -> None:
+    """Keep ``device``'s current stream busy for about ``cycles`` clock cycles, so that
+    work the host queues meanwhile is timed on the device without the host's launch
+    latency."""
+    with torch.cuda.device(device):
+        torch.cuda._sleep(cycles)

@@ -14,8 +14,7 @@ import dataclasses
 import functools
 import time
 import warnings
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -103,50 +102,45 @@ def _matmul_rate(device: torch.device, dtype: torch.dtype, size: int) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class TransferHostSeconds:
-    """Host seconds per call of each transfer op."""
+    """Host seconds per storage moved: an offload with its wait, a reload with its wait."""
 
     offload: float
-    offload_wait: float
     reload: float
-    reload_wait: float
-
-    @property
-    def per_offload(self) -> float:
-        return self.offload + self.offload_wait
-
-    @property
-    def per_reload(self) -> float:
-        return self.reload + self.reload_wait
 
 
-def _each(call: Callable[[Any], Any], inputs: Sequence[Any]) -> tuple[float, list[Any]]:
-    """Host seconds per call of ``call`` on each of ``inputs`` after the first, and the
-    results."""
-    results = [call(inputs[0])]
+def _host_seconds(call: Callable[[], object], calls: int) -> float:
+    """Host seconds per call of ``call``, after as many calls to warm up."""
+    for _ in range(calls):
+        call()
     start = time.perf_counter()
-    results += [call(x) for x in inputs[1:]]
-    return (time.perf_counter() - start) / (len(inputs) - 1), results
+    for _ in range(calls):
+        call()
+    return (time.perf_counter() - start) / calls
 
 
 def transfer_host_seconds(device: torch.device, calls: int = HOST_CALLS) -> TransferHostSeconds:
-    """The host's time for the four transfer ops, on tensors small enough that the copies
-    themselves cost nothing: what each storage moved adds to the host's side of a step."""
+    """The host's time for the transfer ops, on tensors small enough that the copies
+    themselves cost nothing: what each storage moved adds to the host's side of a step.
+    Each buffer dies before the next call, as in training, so pinned blocks are reused."""
     a = torch.randn(256, device=device)
     layout = (0,)
-    offload, tickets = _each(lambda _: ops.OFFLOAD(a, layout), range(calls))
-    offload_wait, hosts = _each(lambda t: ops.OFFLOAD_WAIT(t, a, layout, []), tickets)
-    reload, tickets = _each(lambda _: ops.RELOAD(hosts[0], device, []), range(calls))
-    reload_wait, _ = _each(lambda t: ops.RELOAD_WAIT(t, hosts[0], device), tickets)
+    h = ops.OFFLOAD_WAIT(ops.OFFLOAD(a, layout), a, layout, [])
+    seconds = TransferHostSeconds(
+        offload=_host_seconds(
+            lambda: ops.OFFLOAD_WAIT(ops.OFFLOAD(a, layout), a, layout, []), calls
+        ),
+        reload=_host_seconds(lambda: ops.RELOAD_WAIT(ops.RELOAD(h, device, []), h, device), calls),
+    )
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return TransferHostSeconds(offload, offload_wait, reload, reload_wait)
+    return seconds
 
 
 @functools.cache
 def calibrate(device_index: int) -> DeviceProfile:
     """Measure ``cuda:device_index`` (a few seconds; cached for the process)."""
     device = torch.device("cuda", device_index)
-    with torch.cuda.device(device), _compat.outside_fake_mode():
+    with torch.cuda.device(device), _compat.outside_compile():
         copies = _copy_bandwidths(device, lambda: None)
         on_device = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
         other = torch.empty_like(on_device)
@@ -164,8 +158,8 @@ def calibrate(device_index: int) -> DeviceProfile:
         copies.host_to_device,
         copies.both_directions,
         kernel_launch_seconds=CUDA_HOST["kernel_launch_seconds"],
-        offload_host_seconds=host.per_offload,
-        reload_host_seconds=host.per_reload,
+        offload_host_seconds=host.offload,
+        reload_host_seconds=host.reload,
     )
 
 

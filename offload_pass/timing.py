@@ -29,6 +29,9 @@ from offload_pass import _compat
 from offload_pass.profiles import CALIBRATE, DeviceProfile
 
 REPEATS = 5
+LAUNCH_COVER_CYCLES = 1_000_000
+"""Cycles the device spins before each timed call (about half a millisecond at 2 GHz):
+longer than the host takes to launch one op's kernels."""
 RANDOM_STATE_ARGUMENTS = frozenset({"philox_seed", "philox_offset", "rng_state"})
 """Integer arguments that seed random numbers rather than decide the work."""
 NodeTimer = Callable[[torch.fx.Node], "float | None"]
@@ -159,7 +162,7 @@ def _timed(target: Callable[..., Any], signature: Hashable, device: torch.device
     values come from a forked generator, so the compile's random state is untouched."""
     devices = [device] if device.type == "cuda" else []
     try:
-        with _compat.outside_fake_mode(), torch.no_grad(), torch.random.fork_rng(devices):
+        with _compat.outside_compile(), torch.no_grad(), torch.random.fork_rng(devices):
             args, kwargs = _materialize(signature)
             target(*args, **kwargs)
             return statistics.median(
@@ -171,7 +174,9 @@ def _timed(target: Callable[..., Any], signature: Hashable, device: torch.device
 
 def _elapsed(run: Callable[[], object], device: torch.device) -> float:
     """Seconds one call of ``run`` keeps ``device`` busy: between two events on its
-    current stream on CUDA, by the host's clock elsewhere."""
+    current stream on CUDA, queued behind a spin so that the host has launched the
+    kernels before the device reaches them (a kernel shorter than its launch would
+    otherwise be timed at the launch's length); by the host's clock elsewhere."""
     if device.type != "cuda":
         start = time.perf_counter()
         run()
@@ -179,6 +184,7 @@ def _elapsed(run: Callable[[], object], device: torch.device) -> float:
     stream = torch.cuda.current_stream(device)
     start_event = torch.cuda.Event(enable_timing=True)
     end_event = torch.cuda.Event(enable_timing=True)
+    _compat.spin_device(device, LAUNCH_COVER_CYCLES)
     start_event.record(stream)
     run()
     end_event.record(stream)

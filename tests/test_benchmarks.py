@@ -97,10 +97,14 @@ def test_op_overhead_times_each_transfer_op():
     import torch
 
     from benchmarks import op_overhead
+    from offload_pass import runtime
 
+    before = runtime.counts()
     rows = dict(op_overhead.measure(torch.device("cpu"), calls=3))
-    assert list(rows)[:4] == ["offload", "offload_wait", "reload", "reload_wait"]
-    assert rows["all four, per storage moved"] == sum(list(rows.values())[:4])
+    assert list(rows)[:2] == ["offload and offload_wait", "reload and reload_wait"]
+    assert rows["all four, per storage moved"] == sum(list(rows.values())[:2])
+    assert runtime.counts().offloads == before.offloads + 7  # one to reload, 2 x 3 timed
+    assert runtime.counts().pending_offloads == before.pending_offloads
 
 
 def test_megatron_decoder_has_the_workload_shape_and_trains():

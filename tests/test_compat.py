@@ -172,3 +172,34 @@ def test_view_ops_are_told_from_ops_that_write_or_copy():
     assert not _compat.returns_view_of_input(aten.clone.default)
     assert _compat.returns_view_of_input(aten.unbind.int)  # a list of views of its input
     assert not _compat.returns_view_of_input(aten.var_mean.correction)  # two new tensors
+
+
+def test_outside_compile_makes_real_tensors_and_dispatches_as_in_training():
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    seen = {}
+
+    def partition(joint, inputs, **kwargs):
+        seen["inside"] = _python_dispatcher_on()
+        with _compat.outside_compile():
+            seen["outside"] = _python_dispatcher_on()
+            seen["real"] = not isinstance(torch.ones(1), FakeTensor)
+        seen["after"] = _python_dispatcher_on()
+        return min_cut_rematerialization_partition(joint, inputs, **kwargs)
+
+    backend = aot_autograd(fw_compiler=_boxed, bw_compiler=_boxed, partition_fn=partition)
+    x = torch.randn(8, requires_grad=True)
+    torch.compile(lambda x: (x.sin() * 2).sum(), backend=backend)(x).backward()
+    assert seen == {"inside": True, "outside": False, "real": True, "after": True}
+
+
+def _python_dispatcher_on() -> bool:
+    return "PythonDispatcher" in repr(torch._C._dispatch_tls_local_include_set())
+
+
+def _boxed(gm, example_inputs):
+    from functorch.compile import make_boxed_func
+
+    return make_boxed_func(gm.forward)

@@ -78,30 +78,44 @@ def test_an_offload_into_another_layout_does_not_block_the_host():
     assert torch.equal(h, a.cpu())
 
 
-def _reload_dropped_before_its_wait() -> torch.Tensor:
+def _reload_dropped_before_its_wait() -> tuple[bool, torch.Tensor]:
     """A reload whose wait never runs (backward raised in between), then a fresh tensor
-    of the same size from the compute stream, filled while the copy is still stalled."""
+    of the same size from the compute stream, filled while the copy is still stalled:
+    (the copy was still stalled once the fresh tensor was filled, the fresh tensor)."""
     h = torch.ones(64 * 2**20).pin_memory()  # 256 MiB
+    # two free blocks of that size in the allocator's cache, so that no allocation
+    # below asks the driver for memory (which can wait for the stalled stream)
+    spares = [torch.empty(64 * 2**20, device="cuda") for _ in range(2)]
+    del spares
     torch.cuda.synchronize()
-    _stall(runtime.copy_streams(torch.device("cuda")).host_to_device)
+    copy_stream = runtime.copy_streams(torch.device("cuda")).host_to_device
+    _stall(copy_stream)
     ticket = ops.reload(h, torch.device("cuda"), [])
-    del ticket
-    gc.collect()
+    copied = torch.cuda.Event()
+    copied.record(copy_stream)
+    del ticket  # its finalizer drops the reload at once
     fresh = torch.zeros(64 * 2**20, device="cuda")
+    filled = torch.cuda.Event()
+    filled.record()
+    filled.synchronize()
+    stalled = not copied.query()
     torch.cuda.synchronize()
-    return fresh
+    return stalled, fresh
 
 
 def test_an_unwaited_reload_keeps_its_buffer_until_the_copy_lands():
-    assert torch.count_nonzero(_reload_dropped_before_its_wait()) == 0
+    stalled, fresh = _reload_dropped_before_its_wait()
+    assert stalled, "the stall did not take effect"
+    assert torch.count_nonzero(fresh) == 0
 
 
 def test_without_record_stream_an_unwaited_reload_overwrites_a_new_tensor(monkeypatch):
     """The check above can fail: without the record, the allocator hands the buffer out
     while the copy still writes it."""
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
-    fresh = _reload_dropped_before_its_wait()
+    stalled, fresh = _reload_dropped_before_its_wait()
     assert runtime.counts().pending_reloads == 0, "the dropped reload was not released"
+    assert stalled, "the stall did not take effect"
     assert torch.count_nonzero(fresh) > 0
 
 
@@ -236,6 +250,17 @@ def test_profile_is_chosen_from_the_device_name():
     backend = offload_pass.backend(fraction=0.0)
     _step(torch.compile(_blocks(), backend=backend), torch.randn(2, 128, 256, device="cuda"))
     assert backend.plans[0].profile.name == expected
+
+
+def test_a_spin_keeps_the_stream_busy_while_the_host_queues_work():
+    from offload_pass import _compat
+
+    torch.cuda.synchronize()
+    _compat.spin_device(torch.device("cuda"), 100 * CYCLES_PER_MS)
+    queued = torch.cuda.Event()
+    queued.record()
+    assert not queued.query(), "the event ran before the spin ended"
+    torch.cuda.synchronize()
 
 
 def test_calibration_inside_a_compile_measures_real_tensors():
