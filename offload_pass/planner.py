@@ -43,6 +43,7 @@ from offload_pass.costs import ChunkCosts
 from offload_pass.simulate import (
     CopyQueue,
     DeadlineChain,
+    MemoryTimeline,
     Prediction,
     Transfer,
     peak_bytes,
@@ -290,24 +291,29 @@ def _worth_their_stalls(
     in_flight: int,
 ) -> set[str]:
     """``hidden`` less each copy that makes compute wait without lowering the predicted
-    peak, longest wait first: such a copy costs time and saves nothing.
+    peak, longest wait first: such a copy costs time and saves nothing. Each is judged
+    where ``hidden`` places it all (placing again per copy is quadratic in the graph).
 
     Under a recompute budget, the partitioner recomputes the residual stream at
     backward's start from saved outputs; a reload of one of those is needed there, before
     any compute it could hide under, and that storage is freed there anyway.
     """
     moved = [*forced, *(g for g in candidates if g.root in hidden)]
-    prediction = simulate(costs, place(moved, costs, clocks, OVERLAP_DEPTH), in_flight)
+    transfers = place(moved, costs, clocks, OVERLAP_DEPTH)
+    prediction = simulate(costs, transfers, in_flight)
     stalling = sorted(
         (c for c in prediction.copies if c.stall > 0 and c.root in hidden),
         key=lambda c: -c.stall,
     )
-    peak = prediction.peak_bytes
+    placed = {t.root: t for t in transfers}
+    memory = MemoryTimeline(costs, transfers, in_flight)
+    peak = memory.peak
+    kept = set(hidden)
     for copy in stalling:
-        without = [g for g in moved if g.root != copy.root]
-        if peak_bytes(costs, place(without, costs, clocks, OVERLAP_DEPTH), in_flight) <= peak:
-            moved = without
-    return hidden & {g.root for g in moved}
+        if memory.peak_without(placed[copy.root]) <= peak:
+            memory.keep(placed[copy.root])
+            kept.discard(copy.root)
+    return kept
 
 
 def _within_tolerance(

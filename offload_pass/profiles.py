@@ -9,7 +9,7 @@ conservative shares of the vendor figures. ``calibrate`` measures the device act
 present.
 
 The host costs are those of the H200 machine's host (``python -m benchmarks.op_overhead
---device cuda``, docs/gpu-validation.md, run 27): they depend on the host CPU and on
+--device cuda``, docs/gpu-validation.md, run 31): they depend on the host CPU and on
 Python, not on the GPU, so the other CUDA profiles share them.
 """
 
@@ -71,12 +71,13 @@ GB = 1e9
 TFLOPS = 1e12
 US = 1e-6
 CUDA_HOST = {
-    "kernel_launch_seconds": 13.2 * US,
-    "offload_host_seconds": (78.5 + 21.6) * US,
-    "reload_host_seconds": (68.4 + 20.9) * US,
+    "kernel_launch_seconds": 9.7 * US,
+    "offload_host_seconds": 93.9 * US,
+    "reload_host_seconds": 72.9 * US,
 }
-"""Measured on the H200 machine's host (run 27): per Inductor kernel; offload plus
-offload_wait; reload plus reload_wait."""
+"""Measured on the H200 machine's host (run 31): per Inductor kernel; an offload with its
+wait; a reload with its wait. Hosts differ: runs 29 to 31 measured one kernel at 9.7 to
+11.5 us, and a clone, for scale, at 7.7 to 12.4 us."""
 
 BUILT_IN: dict[str, DeviceProfile] = {
     "h200": DeviceProfile(

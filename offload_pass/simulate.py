@@ -14,6 +14,7 @@ the step by its host cost.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections import defaultdict
 from collections.abc import Sequence
@@ -188,20 +189,55 @@ def _by(transfers: Sequence[Transfer], key: str) -> dict[int, list[Transfer]]:
     return buckets
 
 
+class MemoryTimeline:
+    """Bytes live at each position of one step under a set of transfers; it answers what
+    the peak would be with one of them kept on the device instead, without building the
+    timeline again.
+
+    The peak counts ``in_flight - 1`` other microbatches' forwards done and their
+    backwards pending (a pipeline stage's warm-up), each holding what this one holds
+    between its forward and backward.
+    """
+
+    def __init__(self, costs: ChunkCosts, transfers: Sequence[Transfer], in_flight: int = 1):
+        allocated = list(costs.allocated)
+        freed = list(costs.freed)
+        for t in transfers:
+            freed[t.wait_at] += t.nbytes
+            allocated[costs.num_forward + t.reload_at] += t.nbytes
+        net = (a - f for a, f in zip(allocated, freed, strict=True))
+        held = list(itertools.accumulate(net, initial=0))
+        self.live = [before + a for before, a in zip(held, allocated, strict=False)]
+        self.top = max(self.live, default=0)
+        self.held_between = held[costs.num_forward]
+        self.resident = costs.resident_bytes
+        self.in_flight = in_flight
+        self.num_forward = costs.num_forward
+
+    @property
+    def peak(self) -> int:
+        return self.resident + (self.in_flight - 1) * self.held_between + self.top
+
+    def _away(self, t: Transfer) -> slice:
+        """The positions at which ``t``'s storage is off the device."""
+        return slice(t.wait_at + 1, self.num_forward + t.reload_at)
+
+    def peak_without(self, t: Transfer) -> int:
+        raised = max(self.live[self._away(t)], default=0) + t.nbytes
+        others = (self.in_flight - 1) * (self.held_between + t.nbytes)
+        return self.resident + others + max(self.top, raised)
+
+    def keep(self, t: Transfer) -> None:
+        """Count ``t``'s storage as held on the device throughout."""
+        away = self._away(t)
+        self.live[away] = [b + t.nbytes for b in self.live[away]]
+        self.top = max(self.top, max(self.live[away], default=0))
+        self.held_between += t.nbytes
+
+
 def peak_bytes(costs: ChunkCosts, transfers: Sequence[Transfer], in_flight: int = 1) -> int:
-    """The device peak of one step, with ``in_flight - 1`` other microbatches' forwards
-    done and their backwards pending (a pipeline stage's warm-up), each holding what this
-    one holds between its forward and backward."""
-    allocated = list(costs.allocated)
-    freed = list(costs.freed)
-    for t in transfers:
-        freed[t.wait_at] += t.nbytes
-        allocated[costs.num_forward + t.reload_at] += t.nbytes
-    net = (a - f for a, f in zip(allocated, freed, strict=True))
-    held = list(itertools.accumulate(net, initial=0))
-    live = (before + a for before, a in zip(held, allocated, strict=False))
-    others = (in_flight - 1) * held[costs.num_forward]
-    return costs.resident_bytes + others + max(live, default=0)
+    """The device peak of one step (see ``MemoryTimeline``)."""
+    return MemoryTimeline(costs, transfers, in_flight).peak
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,8 +296,16 @@ def unhindered_starts(costs: ChunkCosts) -> tuple[tuple[float, ...], tuple[float
     return timeline.forward_starts, timeline.backward_starts
 
 
+@functools.lru_cache(maxsize=4)
+def _unhindered(costs: ChunkCosts, in_flight: int) -> tuple[float, int]:
+    """The step's seconds and peak with nothing moved; planning asks for them many
+    times of the same chunk."""
+    return _run(costs, ()).streams.clock, peak_bytes(costs, (), in_flight)
+
+
 def simulate(costs: ChunkCosts, transfers: Sequence[Transfer], in_flight: int = 1) -> Prediction:
     timeline = _run(costs, transfers)
+    baseline_seconds, baseline_peak_bytes = _unhindered(costs, in_flight)
     streams = timeline.streams
     return Prediction(
         forward_seconds=timeline.forward_end,
@@ -269,8 +313,8 @@ def simulate(costs: ChunkCosts, transfers: Sequence[Transfer], in_flight: int = 
         stall_seconds=streams.stall,
         host_wait_seconds=streams.host_wait,
         peak_bytes=peak_bytes(costs, transfers, in_flight),
-        baseline_seconds=_run(costs, ()).streams.clock,
-        baseline_peak_bytes=peak_bytes(costs, (), in_flight),
+        baseline_seconds=baseline_seconds,
+        baseline_peak_bytes=baseline_peak_bytes,
         copies=tuple(
             CopyPrediction(
                 c.transfer.root,

@@ -92,7 +92,7 @@ def test_explain_says_when_the_host_leaves_auto_nothing_to_move():
     report = offload_pass.explain(model, torch.randn(2, 512, 256), profile="h200")
     (plan,) = report.plans
     assert not plan.moved
-    assert plan.prediction.host_wait_seconds > 0.5 * plan.prediction.baseline_seconds
+    assert plan.prediction.host_wait_seconds > 0.25 * plan.prediction.baseline_seconds
     assert "slows the step" in {d.reason for d in plan.decisions}
     assert "the device waits for the host here" in str(report)
 

@@ -27,7 +27,7 @@ from offload_pass.planner import (
     plan_offloads,
 )
 from offload_pass.profiles import DeviceProfile
-from offload_pass.simulate import simulate
+from offload_pass.simulate import MemoryTimeline, peak_bytes, simulate
 
 MS = 1e-3
 MB = 10**6
@@ -219,6 +219,22 @@ def test_host_time_hidden_behind_the_device_costs_nothing():
     assert moved(result) == ["a0", "a1"]
     assert result.prediction.step_seconds == pytest.approx(result.prediction.baseline_seconds)
     assert result.prediction.baseline_seconds == pytest.approx(20.1 * MS)
+
+
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_the_peak_without_one_transfer_is_that_of_the_others(in_flight):
+    groups = [group(0, 4 * MB), group(1, 3 * MB), group(4, 2 * MB), group(8, MB)]
+    result = plan(groups, share=1.0, in_flight=in_flight)
+    costs = chunk(groups)
+    memory = MemoryTimeline(costs, result.transfers, in_flight)
+    assert memory.peak == result.prediction.peak_bytes
+    kept = []
+    for t in result.transfers[::-1]:
+        kept.append(t)
+        others = [u for u in result.transfers if u not in kept]
+        assert memory.peak_without(t) == peak_bytes(costs, others, in_flight)
+        memory.keep(t)
+        assert memory.peak == peak_bytes(costs, others, in_flight)
 
 
 def test_fraction_prefers_the_candidates_whose_copies_hide_best():
