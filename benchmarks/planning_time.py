@@ -51,9 +51,11 @@ def stage_seconds(chunk: ChunkGraphs, options: OffloadOptions) -> dict[str, floa
 
 
 def copy_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm`` as the partitioner hands it to the stages: writing its code when
+    first run, not at each recompile."""
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
-    return torch.fx.GraphModule(gm, graph)
+    return _compat.lazy_graph_module(torch.fx.GraphModule(gm, graph))
 
 
 MODES = {

@@ -141,12 +141,23 @@ def compile_with_eager(
         return backend(gm, example_inputs)
 
 
+def lazy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` as a graph module that writes its Python code when first run or read, not
+    at each ``recompile``: the pass edits graphs that Inductor compiles from the graph
+    itself, and writing the code of a deep graph takes a third of a second."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    return _LazyGraphModule.from_graphmodule(gm)
+
+
 def run_on_fakes(target: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """Call ``target`` on fake tensors, in the fake mode they belong to."""
+    """Call ``target`` on fake tensors, in the fake mode they belong to (read from the
+    first argument where it is one: a search of every argument took a third of the
+    rewrite's time on deep graphs)."""
     from torch._guards import detect_fake_mode
 
-    mode = detect_fake_mode((args, kwargs))
-    with mode:
+    mode = getattr(args[0], "fake_mode", None) if args else None
+    with mode or detect_fake_mode((args, kwargs)):
         return target(*args, **kwargs)
 
 

@@ -33,8 +33,9 @@ class OffloadPartitioner(_compat.PartitionerBase):
     def __call__(
         self, joint: torch.fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
     ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
-        forward, backward = _compat.stock_partition(
-            joint, joint_inputs, self.options.recompute_budget, **kwargs
+        forward, backward = map(
+            _compat.lazy_graph_module,
+            _compat.stock_partition(joint, joint_inputs, self.options.recompute_budget, **kwargs),
         )
         chunk = ChunkGraphs(forward, backward, kwargs["num_fwd_outputs"])
         plan = offload_chunk(chunk, self.options, self.rule, self.name)

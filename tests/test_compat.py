@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import types
 
 import torch
@@ -203,3 +204,14 @@ def _boxed(gm, example_inputs):
     from functorch.compile import make_boxed_func
 
     return make_boxed_func(gm.forward)
+
+
+def test_a_lazy_graph_module_writes_its_code_when_run():
+    lazy = _compat.lazy_graph_module(torch.fx.symbolic_trace(lambda x: x + 1))
+    (add,) = lazy.graph.find_nodes(op="call_function", target=operator.add)
+    with lazy.graph.inserting_after(add):
+        doubled = lazy.graph.call_function(operator.mul, (add, 2))
+    add.replace_all_uses_with(doubled, delete_user_cb=lambda user: user is not doubled)
+    lazy.recompile()
+    assert torch.equal(lazy(torch.tensor([3.0])), torch.tensor([8.0]))
+    assert "mul" in lazy.code

@@ -15,12 +15,12 @@ import torch
 from torch import nn
 
 import offload_pass
-from tests import zoo
+from tests import models, zoo
 
 SETTINGS = {
     "half": {"fraction": 0.5},
     "all": {"fraction": 1.0},
-    "auto_h200": {"profile": "h200"},
+    "auto_h200": {"profile": models.H200_INSTANT_HOST},
 }
 
 
