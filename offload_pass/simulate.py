@@ -20,6 +20,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from offload_pass.costs import ChunkCosts
+from offload_pass.profiles import DeviceProfile
 from offload_pass.units import format_bytes, format_seconds
 
 
@@ -150,8 +151,8 @@ class _Streams:
     and the host has issued it. Where copies cannot overlap compute, compute waits for
     each copy."""
 
-    def __init__(self, costs: ChunkCosts) -> None:
-        self.profile = costs.profile
+    def __init__(self, profile: DeviceProfile) -> None:
+        self.profile = profile
         self.host = 0.0
         self.clock = 0.0
         self.stall = 0.0
@@ -199,7 +200,9 @@ class MemoryTimeline:
     between its forward and backward.
     """
 
-    def __init__(self, costs: ChunkCosts, transfers: Sequence[Transfer], in_flight: int = 1):
+    def __init__(
+        self, costs: ChunkCosts, transfers: Sequence[Transfer], in_flight: int = 1
+    ) -> None:
         allocated = list(costs.allocated)
         freed = list(costs.freed)
         for t in transfers:
@@ -250,7 +253,7 @@ class _Timeline:
 
 
 def _run(costs: ChunkCosts, transfers: Sequence[Transfer]) -> _Timeline:
-    streams = _Streams(costs)
+    streams = _Streams(costs.profile)
     profile = costs.profile
     copies = {t.root: _Copy(t) for t in transfers}
     offloads, waits = _by(transfers, "offload_at"), _by(transfers, "wait_at")
