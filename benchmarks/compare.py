@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -269,23 +270,29 @@ def _pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]
     return front
 
 
-def profile_auto(name: str, device: torch.device) -> str:
-    """offload_pass auto's predicted copies, step and peak against a profiled step."""
+def profile_auto(build: Callable[[], tuple[torch.nn.Module, Any]], device: torch.device) -> str:
+    """offload_pass auto's predicted copies, step and peak against a profiled step of the
+    task ``build`` makes: a module that returns the loss, and its input."""
     if device.type != "cuda":
         return "(measured-versus-predicted comparison needs a CUDA device)"
     from offload_pass.validate import compare_with_profile
 
-    workload = workloads.BY_NAME[name]
     torch.compiler.reset()
-    model, x = workloads.build(workload, device)
+    torch.manual_seed(0)
+    task, x = build()
     backend = offload_pass.backend()
-    compiled = torch.compile(workloads.WithLoss(model), backend=backend)
+    compiled = torch.compile(task, backend=backend)
 
     def step() -> None:
         compiled(x).backward()
-        model.zero_grad(set_to_none=True)
+        task.zero_grad(set_to_none=True)
 
     return str(compare_with_profile(step, backend.plans))
+
+
+def _workload_task(name: str, device: torch.device) -> tuple[torch.nn.Module, torch.Tensor]:
+    model, x = workloads.build(workloads.BY_NAME[name], device)
+    return workloads.WithLoss(model), x
 
 
 def run_workload(
@@ -384,7 +391,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             run_workload(name, args.configs, args.steps, device, args.show_plans), hardware
         )
         comparison = (
-            profile_auto(name, device)
+            profile_auto(functools.partial(_workload_task, name, device), device)
             if "offload_pass auto" in args.configs or not args.configs
             else ""
         )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -367,6 +368,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--configs", nargs="*", default=[], help="names to run (default: all)")
     parser.add_argument("--whole-only", action="store_true", help="skip per-block compilation")
+    parser.add_argument(
+        "--profile-auto",
+        action="store_true",
+        help="also hold auto's prediction against a profiled step (CUDA; per copy)",
+    )
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -385,10 +391,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             rows = compare.derive(
                 run_model(name, configs, args.configs, args.steps, device), hardware
             )
+            profiled = args.profile_auto and workload == name
             results["workloads"][workload] = {
                 "rows": rows,
                 "targets": check_targets(rows),
-                "auto_profiled": "",
+                "auto_profiled": (
+                    compare.profile_auto(functools.partial(MODELS[name].build, device), device)
+                    if profiled
+                    else ""
+                ),
             }
             print(compare.workload_report(workload, results), flush=True)
             compare.write(results, stem)
