@@ -131,9 +131,16 @@ class Sequences(torch.utils.data.Dataset):
         return {"input_ids": self.items[i]}
 
 
+PAD_TO_MULTIPLE_OF = 64
+"""Padded lengths are multiples of this, as HF's collators offer (``pad_to_multiple_of``):
+fewer distinct shapes, and sizes the attention kernels' alignment rules accept."""
+
+
 def pad(features: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Right padding to the batch's longest sequence, masked out of attention and loss."""
-    width = max(len(f["input_ids"]) for f in features)
+    """Right padding past the batch's longest sequence to a multiple of
+    ``PAD_TO_MULTIPLE_OF``, masked out of attention and loss."""
+    longest = max(len(f["input_ids"]) for f in features)
+    width = -(-longest // PAD_TO_MULTIPLE_OF) * PAD_TO_MULTIPLE_OF
     ids = torch.zeros(len(features), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, f in enumerate(features):
