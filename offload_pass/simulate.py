@@ -293,22 +293,25 @@ def _run(costs: ChunkCosts, transfers: Sequence[Transfer]) -> _Timeline:
     )
 
 
-def unhindered_starts(costs: ChunkCosts) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """When each forward and each backward node starts with nothing moved."""
-    timeline = _run(costs, ())
-    return timeline.forward_starts, timeline.backward_starts
+@functools.lru_cache(maxsize=4)
+def _unhindered(costs: ChunkCosts) -> _Timeline:
+    """The step with nothing moved; planning asks for it many times of the same chunk."""
+    return _run(costs, ())
 
 
 @functools.lru_cache(maxsize=4)
-def _unhindered(costs: ChunkCosts, in_flight: int) -> tuple[float, int]:
-    """The step's seconds and peak with nothing moved; planning asks for them many
-    times of the same chunk."""
-    return _run(costs, ()).streams.clock, peak_bytes(costs, (), in_flight)
+def _unhindered_peak(costs: ChunkCosts, in_flight: int) -> int:
+    return peak_bytes(costs, (), in_flight)
+
+
+def unhindered_starts(costs: ChunkCosts) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """When each forward and each backward node starts with nothing moved."""
+    timeline = _unhindered(costs)
+    return timeline.forward_starts, timeline.backward_starts
 
 
 def simulate(costs: ChunkCosts, transfers: Sequence[Transfer], in_flight: int = 1) -> Prediction:
     timeline = _run(costs, transfers)
-    baseline_seconds, baseline_peak_bytes = _unhindered(costs, in_flight)
     streams = timeline.streams
     return Prediction(
         forward_seconds=timeline.forward_end,
@@ -316,8 +319,8 @@ def simulate(costs: ChunkCosts, transfers: Sequence[Transfer], in_flight: int = 
         stall_seconds=streams.stall,
         host_wait_seconds=streams.host_wait,
         peak_bytes=peak_bytes(costs, transfers, in_flight),
-        baseline_seconds=baseline_seconds,
-        baseline_peak_bytes=baseline_peak_bytes,
+        baseline_seconds=_unhindered(costs).streams.clock,
+        baseline_peak_bytes=_unhindered_peak(costs, in_flight),
         copies=tuple(
             CopyPrediction(
                 c.transfer.root,
