@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
+import tempfile
 import time
 from typing import Any
 
@@ -236,7 +237,9 @@ def explain(args: argparse.Namespace, device: torch.device) -> None:
     print(tabulate.tabulate(rows, headers=headers, disable_numparse=True))
 
 
-def train(name: str, args: argparse.Namespace, device: torch.device) -> tuple[StepMeter, Any]:
+def train(
+    name: str, args: argparse.Namespace, device: torch.device, output_dir: str
+) -> tuple[StepMeter, Any]:
     options = CONFIGS[name]
     backend = "inductor" if options is None else offload_pass.backend(**options)
     model = make_model(args.sizes, device, args.gpu_sized)
@@ -248,7 +251,7 @@ def train(name: str, args: argparse.Namespace, device: torch.device) -> tuple[St
         model.compile(backend=backend, dynamic=True)
     meter = StepMeter(name, device)
     arguments = transformers.TrainingArguments(
-        output_dir=f"finetune-{name.replace(' ', '-').replace(',', '')}",
+        output_dir=output_dir,  # nothing is saved (save_strategy="no")
         per_device_train_batch_size=args.sizes.batch,
         gradient_accumulation_steps=args.accumulation,
         max_steps=args.steps,
@@ -292,7 +295,8 @@ def main() -> None:
         return
     rows, medians = [], {}
     for name in args.configs:
-        meter, backend = train(name, args, device)
+        with tempfile.TemporaryDirectory() as output_dir:
+            meter, backend = train(name, args, device, output_dir)
         timed = meter.steps[WARMUP:] or meter.steps
         medians[name] = statistics.median(step.seconds for step in timed)
         peaks = [step.peak_bytes for step in timed if step.peak_bytes is not None]

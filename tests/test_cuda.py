@@ -80,25 +80,17 @@ def test_an_offload_into_another_layout_does_not_block_the_host():
 
 def _reload_dropped_before_its_wait() -> tuple[bool, torch.Tensor]:
     """A reload whose wait never runs (backward raised in between), then a fresh tensor
-    of the same size from the compute stream, filled while the copy is still stalled:
-    (the copy was still stalled once the fresh tensor was filled, the fresh tensor)."""
+    of the same size from the compute stream: (the copy was still stalled when the fresh
+    tensor was allocated, the fresh tensor once everything finished)."""
     h = torch.ones(64 * 2**20).pin_memory()  # 256 MiB
-    # two free blocks of that size in the allocator's cache, so that no allocation
-    # below asks the driver for memory (which can wait for the stalled stream)
-    spares = [torch.empty(64 * 2**20, device="cuda") for _ in range(2)]
-    del spares
-    torch.cuda.synchronize()
     copy_stream = runtime.copy_streams(torch.device("cuda")).host_to_device
     _stall(copy_stream)
     ticket = ops.reload(h, torch.device("cuda"), [])
     copied = torch.cuda.Event()
     copied.record(copy_stream)
     del ticket  # its finalizer drops the reload at once
-    fresh = torch.zeros(64 * 2**20, device="cuda")
-    filled = torch.cuda.Event()
-    filled.record()
-    filled.synchronize()
     stalled = not copied.query()
+    fresh = torch.zeros(64 * 2**20, device="cuda")
     torch.cuda.synchronize()
     return stalled, fresh
 
