@@ -161,6 +161,15 @@ def run_on_fakes(target: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         return target(*args, **kwargs)
 
 
+def fake_like(like: torch.Tensor, meta: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``meta`` (a tensor on the meta device) as a fake tensor on ``device`` in the fake
+    mode of ``like``: what a factory call in that mode returns, without the trip through
+    the mode's dispatch and cache (a third of the rewrite's time on deep graphs)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return FakeTensor(like.fake_mode, meta, device)
+
+
 def concrete_int(value: int | torch.SymInt) -> int | None:
     """``value`` as a plain int, from its hint when symbolic; None when it has none."""
     if isinstance(value, torch.SymInt):

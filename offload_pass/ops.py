@@ -103,15 +103,32 @@ RELOAD = torch.ops.offload_pass.reload.default
 RELOAD_WAIT = torch.ops.offload_pass.reload_wait.default
 TRANSFERS = frozenset({OFFLOAD, OFFLOAD_WAIT, RELOAD, RELOAD_WAIT})
 TICKETS = frozenset({OFFLOAD, RELOAD})
-FAKE_IMPLS = {
-    OFFLOAD: _offload_fake,
-    OFFLOAD_WAIT: _offload_wait_fake,
-    RELOAD: _reload_fake,
-    RELOAD_WAIT: _reload_wait_fake,
+_CPU = torch.device("cpu")
+
+
+def _ticket_value(like: Tensor) -> Tensor:
+    return _compat.fake_like(like, torch.empty((), dtype=torch.int64, device="meta"), _CPU)
+
+
+def _host_value(ticket: Tensor, a: Tensor, layout: Sequence[int], after: object) -> Tensor:
+    meta = torch.empty_permuted(a.shape, layout, dtype=a.dtype, device="meta")
+    return _compat.fake_like(a, meta, _CPU)
+
+
+def _reloaded_value(ticket: Tensor, h: Tensor, device: torch.device) -> Tensor:
+    meta = torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device="meta")
+    return _compat.fake_like(h, meta, device)
+
+
+NODE_VALUES: dict[object, Callable[..., Tensor]] = {
+    OFFLOAD: lambda a, layout: _ticket_value(a),
+    OFFLOAD_WAIT: _host_value,
+    RELOAD: lambda h, device, after: _ticket_value(h),
+    RELOAD_WAIT: _reloaded_value,
 }
-"""Each op's fake implementation, which the rewrite calls directly for a new node's
-value: the same value as calling the op in fake mode, without a trip through the
-dispatcher (most of the rewrite's time on deep graphs)."""
+"""The value of a new node of each op, from its arguments' fake values: what the op's
+fake implementation returns in their fake mode, built directly (the rewrite adds four
+nodes per storage moved)."""
 
 
 def holds_transfers(gm: torch.fx.GraphModule) -> bool:

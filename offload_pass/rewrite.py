@@ -33,8 +33,11 @@ def _add_node(
     kwargs: dict | None = None,
 ) -> torch.fx.Node:
     node = graph.call_function(target, args, kwargs)
-    values = torch.fx.node.map_arg((args, kwargs or {}), lambda n: n.meta["val"])
-    node.meta["val"] = _compat.run_on_fakes(ops.FAKE_IMPLS.get(target, target), *values)
+    values, kwarg_values = torch.fx.node.map_arg((args, kwargs or {}), lambda n: n.meta["val"])
+    if target in ops.NODE_VALUES:
+        node.meta["val"] = ops.NODE_VALUES[target](*values)
+    else:
+        node.meta["val"] = _compat.run_on_fakes(target, values, kwarg_values)
     node.meta.update({k: like.meta[k] for k in _COPIED_META if k in like.meta})
     return node
 

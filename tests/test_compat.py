@@ -215,3 +215,26 @@ def test_a_lazy_graph_module_writes_its_code_when_run():
     lazy.recompile()
     assert torch.equal(lazy(torch.tensor([3.0])), torch.tensor([8.0]))
     assert "mul" in lazy.code
+
+
+def test_a_fake_built_directly_matches_the_fake_modes_own_factory_call():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    dynamic = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * 3)
+    like = mode.from_tensor(torch.empty(2, 3, 4), symbolic_context=dynamic)
+    meta = torch.empty_permuted(like.shape, (2, 0, 1), dtype=torch.bfloat16, device="meta")
+    built = _compat.fake_like(like, meta, torch.device("cuda", 0))
+    with mode:
+        made = torch.empty_permuted(like.shape, (2, 0, 1), dtype=torch.bfloat16, device="cuda:0")
+    assert type(built) is type(made)
+    assert built.fake_mode is mode
+    assert (built.shape, built.stride(), built.dtype, built.device) == (
+        made.shape,
+        made.stride(),
+        made.dtype,
+        made.device,
+    )
+    with mode:  # and it computes further in that mode
+        assert (built * 2).shape == like.shape
