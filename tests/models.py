@@ -6,6 +6,7 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from offload_pass.profiles import BUILT_IN
@@ -71,6 +72,20 @@ class BlockStack(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
             x = block(x)
+        return x
+
+
+class CheckpointedBlocks(nn.Module):
+    """Each block under activation checkpointing: backward computes the block again from
+    its saved input, so the inputs are what the step saves."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, depth: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
         return x
 
 
