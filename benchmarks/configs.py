@@ -74,6 +74,18 @@ def checkpoint_blocks(model: nn.Module, shared: dict[str, Any]) -> Forward:
     return _compiled(model)
 
 
+def checkpointed_ours(**options: Any) -> Callable[[nn.Module, dict[str, Any]], Forward]:
+    """Blocks checkpointed, and the pass moving what they save (their inputs): the way
+    save_on_cpu and torchtune reach their low peaks, with the copies off the compute
+    stream."""
+
+    def prepare(model: nn.Module, shared: dict[str, Any]) -> Forward:
+        model.blocks = nn.ModuleList(Checkpointed(b) for b in model.blocks)
+        return ours(**options)(model, shared)
+
+    return prepare
+
+
 def memory_budget_partitioner(budget: float) -> Callable[[nn.Module, dict[str, Any]], Forward]:
     def prepare(model: nn.Module, shared: dict[str, Any]) -> Forward:
         return _under(
@@ -178,6 +190,12 @@ def all_configs() -> list[Config]:
         *our_configs(budgets=(0.7, 0.6, 0.5)),
         Config("save_on_cpu", "save_on_cpu", save_on_cpu, cuda_only=True),
         Config("checkpoint blocks", "checkpointing", checkpoint_blocks),
+        Config("checkpoint blocks, offload_pass auto", "offload_pass", checkpointed_ours()),
+        Config(
+            "checkpoint blocks, offload_pass fraction 1",
+            "offload_pass",
+            checkpointed_ours(fraction=1.0),
+        ),
         *(
             Config(f"memory_budget {b:g}", "memory_budget", memory_budget_partitioner(b))
             for b in (0.7, 0.5, 0.3)
