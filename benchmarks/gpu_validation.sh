@@ -6,6 +6,8 @@
 #   zoo-bench   the model-zoo benchmark (benchmarks/zoo.py; $ZOO_ARGS are passed to it,
 #               e.g. ZOO_ARGS='--models llama gpt2 --whole-only')
 #   example     the main example
+#   overhead    the transfer ops' host time, alone and inside compiled steps (op_overhead.py)
+#   finetune    the fine-tuning example (examples/finetune_hf.py; $FINETUNE_ARGS are passed)
 #   breakdown   what is alive at the measured peak of W2's auto and three W1 configurations
 # With no argument every step but zoo (cuda-tests holds it) and zoo-bench runs; `--only STEP [STEP ...]`
 # runs those alone. Logs and results go to $OUT (or ./out); the exit status is pytest's.
@@ -40,6 +42,12 @@ for step in "${steps[@]}"; do
     example)
         python examples/train_gpt.py --steps 8 2>&1 | tee "$out/train_gpt_auto.log"
         ;;
+    overhead)
+        python -m benchmarks.op_overhead --device cuda 2>&1 | tee "$out/op_overhead.log"
+        ;;
+    finetune)
+        python examples/finetune_hf.py ${FINETUNE_ARGS:-} 2>&1 | tee "$out/finetune_hf.log"
+        ;;
     breakdown)
         python -m benchmarks.peak_breakdown --workload W2 --configs "offload_pass auto" 2>&1 \
             | tee "$out/peak_breakdown.log"
@@ -48,7 +56,8 @@ for step in "${steps[@]}"; do
             | tee -a "$out/peak_breakdown.log"
         ;;
     *)
-        echo "unknown step $step (compare, cuda-tests, zoo, zoo-bench, example, breakdown)" >&2
+        echo "unknown step $step (compare, cuda-tests, zoo, zoo-bench, example, overhead," \
+            "finetune, breakdown)" >&2
         exit 2
         ;;
     esac
