@@ -4,10 +4,11 @@
 #   cuda-tests  every test marked cuda (stalled copy streams, the model zoo on CUDA, ...)
 #   zoo         only the model zoo's CUDA tests
 #   zoo-bench   the model-zoo benchmark (benchmarks/zoo.py; $ZOO_ARGS are passed to it,
-#               e.g. ZOO_ARGS='--models llama gpt2 --whole-only')
+#               shell quoting kept: ZOO_ARGS='--models gpt2 --configs "offload_pass auto"')
 #   example     the main example
 #   overhead    the transfer ops' host time, alone and inside compiled steps (op_overhead.py)
-#   finetune    the fine-tuning example (examples/finetune_hf.py; $FINETUNE_ARGS are passed)
+#   finetune    the fine-tuning example (examples/finetune_hf.py; $FINETUNE_ARGS are passed,
+#               shell quoting kept: FINETUNE_ARGS='--configs none auto "budget 0.7"')
 #   breakdown   what is alive at the measured peak of W2's auto and three W1 configurations
 # With no argument every step but zoo (cuda-tests holds it) and zoo-bench runs; `--only STEP [STEP ...]`
 # runs those alone. Logs and results go to $OUT (or ./out); the exit status is pytest's.
@@ -36,7 +37,7 @@ for step in "${steps[@]}"; do
             2>&1 | tee "$out/zoo.log" || status=$?
         ;;
     zoo-bench)
-        python -m benchmarks.zoo --out "$out" ${ZOO_ARGS:-} 2>&1 \
+        eval "python -m benchmarks.zoo --out \"\$out\" ${ZOO_ARGS:-}" 2>&1 \
             | tee "$out/zoo_bench.log"
         ;;
     example)
@@ -46,7 +47,7 @@ for step in "${steps[@]}"; do
         python -m benchmarks.op_overhead --device cuda 2>&1 | tee "$out/op_overhead.log"
         ;;
     finetune)
-        python examples/finetune_hf.py ${FINETUNE_ARGS:-} 2>&1 | tee "$out/finetune_hf.log"
+        eval "python examples/finetune_hf.py ${FINETUNE_ARGS:-}" 2>&1 | tee "$out/finetune_hf.log"
         ;;
     breakdown)
         python -m benchmarks.peak_breakdown --workload W2 --configs "offload_pass auto" 2>&1 \
