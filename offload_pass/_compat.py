@@ -34,6 +34,14 @@ def flexible_layout_tags(tag_namespace: Any = torch.Tag) -> tuple[torch.Tag, ...
     return (tag_namespace.flexible_layout,) if hasattr(tag_namespace, "flexible_layout") else ()
 
 
+def cudagraph_unsafe_tags(tag_namespace: Any = torch.Tag) -> tuple[torch.Tag, ...]:
+    """Tags that keep an op out of CUDA graphs: with graph partitioning on, Inductor
+    captures the rest of the graph around it. A replay repeats only kernels, and the
+    transfer ops switch streams, record and wait for events and hand out buffers from
+    outside the graph's memory pool on every call."""
+    return (tag_namespace.cudagraph_unsafe,) if hasattr(tag_namespace, "cudagraph_unsafe") else ()
+
+
 def fusible_tags(tag_namespace: Any = torch.Tag) -> tuple[torch.Tag, ...]:
     """Tags of ops Inductor fuses into neighbouring kernels (pointwise, reductions)."""
     return tuple(

@@ -23,7 +23,11 @@ from torch import Tensor
 from offload_pass import _compat, runtime
 
 _LIBRARY = torch.library.Library("offload_pass", "DEF")
-_TAGS = (torch.Tag.pt2_compliant_tag, *_compat.flexible_layout_tags())
+_TAGS = (
+    torch.Tag.pt2_compliant_tag,
+    *_compat.flexible_layout_tags(),
+    *_compat.cudagraph_unsafe_tags(),
+)
 
 
 def _define(schema: str, kernel: Callable[..., Tensor], fake: Callable[..., Tensor]) -> None:

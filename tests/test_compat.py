@@ -25,6 +25,20 @@ def test_every_transfer_op_takes_its_inputs_in_any_layout():
     assert all(torch.Tag.flexible_layout in op.tags for op in ops.TRANSFERS)
 
 
+def test_cudagraph_unsafe_tag_when_torch_has_it():
+    assert _compat.cudagraph_unsafe_tags() == (torch.Tag.cudagraph_unsafe,)
+
+
+def test_no_cudagraph_tag_on_a_torch_without_it():
+    assert _compat.cudagraph_unsafe_tags(types.SimpleNamespace()) == ()
+
+
+def test_every_transfer_op_stays_out_of_cuda_graphs():
+    from offload_pass import ops
+
+    assert all(torch.Tag.cudagraph_unsafe in op.tags for op in ops.TRANSFERS)
+
+
 def test_module_paths_in_both_source_spellings():
     assert _compat.split_source_path("L['self'].blocks.0.attn") == ("L['self']", "blocks.0.attn")
     assert _compat.split_source_path("L['self'].blocks[0].attn") == ("L['self']", "blocks.0.attn")
