@@ -1,6 +1,7 @@
 """How long the pass takes as graphs grow, stage by stage (order, analyse, costs, plan,
 rewrite: everything it adds before the compiler's own work), on the partitioned graphs
-of decoder stacks of increasing depth (traced on the CPU, planned with the H200 profile).
+of decoder stacks of increasing depth (traced on the CPU, planned with the H200 profile),
+timed inside the partitioner of a real compile, as the backend runs them.
 
     python -m benchmarks.planning_time [--layers 8 32 128]
 """
@@ -22,13 +23,19 @@ from offload_pass.graphs import ChunkGraphs
 from offload_pass.options import OffloadOptions
 
 
-def partitioned_chunk(layers: int) -> ChunkGraphs:
-    """The forward and backward graphs torch.compile makes of a ``layers``-deep stack."""
-    chunks: list[ChunkGraphs] = []
+def timed_in_compile(layers: int, repeats: int) -> tuple[int, dict[str, list[dict[str, float]]]]:
+    """Each mode's stage times, ``repeats`` runs each, on the partitioned graphs of a
+    ``layers``-deep stack, and the graphs' node count. The stages run where the backend
+    runs them: inside the partitioner, under the compile's fake mode and dispatch."""
+    found: dict[str, list[dict[str, float]]] = {}
+    nodes = []
 
     def partition(joint, joint_inputs, **kwargs):
         forward, backward = _compat.stock_partition(joint, joint_inputs, **kwargs)
-        chunks.append(ChunkGraphs(forward, backward, kwargs["num_fwd_outputs"]))
+        chunk = ChunkGraphs(forward, backward, kwargs["num_fwd_outputs"])
+        nodes.append(len(forward.graph.nodes) + len(backward.graph.nodes))
+        for mode, options in MODES.items():
+            found[mode] = [stage_seconds(chunk, options) for _ in range(repeats)]
         return forward, backward
 
     def backend(gm, example_inputs):
@@ -37,8 +44,8 @@ def partitioned_chunk(layers: int) -> ChunkGraphs:
     model, x = workloads.build(dataclasses.replace(workloads.TINY, layers=layers), "cpu")
     torch.compile(model, backend=backend)(x)
     torch.compiler.reset()
-    (chunk,) = chunks
-    return chunk
+    (count,) = nodes
+    return count, found
 
 
 def stage_seconds(chunk: ChunkGraphs, options: OffloadOptions) -> dict[str, float]:
@@ -74,10 +81,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows = []
     headers = ["layers", "nodes", "mode", "moved", *STAGES, "total s"]
     for layers in args.layers:
-        chunk = partitioned_chunk(layers)
-        nodes = len(chunk.forward.graph.nodes) + len(chunk.backward.graph.nodes)
-        for mode, options in MODES.items():
-            runs = [stage_seconds(chunk, options) for _ in range(args.repeats)]
+        nodes, timed = timed_in_compile(layers, args.repeats)
+        for mode, runs in timed.items():
             median = {k: statistics.median(r[k] for r in runs) for k in STAGES}
             times = [f"{median[k]:.3f}" for k in STAGES]
             total = f"{sum(median.values()):.3f}"

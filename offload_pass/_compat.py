@@ -169,13 +169,18 @@ def run_on_fakes(target: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         return target(*args, **kwargs)
 
 
-def fake_like(like: torch.Tensor, meta: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``meta`` (a tensor on the meta device) as a fake tensor on ``device`` in the fake
-    mode of ``like``: what a factory call in that mode returns, without the trip through
-    the mode's dispatch and cache (a third of the rewrite's time on deep graphs)."""
-    from torch._subclasses.fake_tensor import FakeTensor
+def fake_from_meta(
+    mode: Any, make_meta: Callable[[], torch.Tensor], device: torch.device
+) -> torch.Tensor:
+    """The tensor ``make_meta`` builds on the meta device, as a fake tensor on ``device``
+    in fake mode ``mode``: what a factory call in that mode returns, without the trip
+    through the mode's dispatch and cache. ``make_meta`` runs with no fake mode active
+    (the partitioner runs inside the compile's), so that it builds a plain meta tensor."""
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
-    return FakeTensor(like.fake_mode, meta, device)
+    with unset_fake_temporarily():
+        meta = make_meta()
+    return FakeTensor(mode, meta, device)
 
 
 def concrete_int(value: int | torch.SymInt) -> int | None:

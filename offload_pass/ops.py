@@ -14,6 +14,7 @@ stays with the runtime until the wait returns it. ``after`` holds values compute
 the planner placed the op, so no compiler pass moves it earlier than that point.
 """
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -111,17 +112,18 @@ _CPU = torch.device("cpu")
 
 
 def _ticket_value(like: Tensor) -> Tensor:
-    return _compat.fake_like(like, torch.empty((), dtype=torch.int64, device="meta"), _CPU)
+    make = functools.partial(torch.empty, (), dtype=torch.int64, device="meta")
+    return _compat.fake_from_meta(like.fake_mode, make, _CPU)
 
 
 def _host_value(ticket: Tensor, a: Tensor, layout: Sequence[int], after: object) -> Tensor:
-    meta = torch.empty_permuted(a.shape, layout, dtype=a.dtype, device="meta")
-    return _compat.fake_like(a, meta, _CPU)
+    make = functools.partial(torch.empty_permuted, a.shape, layout, dtype=a.dtype, device="meta")
+    return _compat.fake_from_meta(a.fake_mode, make, _CPU)
 
 
 def _reloaded_value(ticket: Tensor, h: Tensor, device: torch.device) -> Tensor:
-    meta = torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device="meta")
-    return _compat.fake_like(h, meta, device)
+    make = functools.partial(torch.empty_strided, h.shape, h.stride(), dtype=h.dtype, device="meta")
+    return _compat.fake_from_meta(h.fake_mode, make, device)
 
 
 NODE_VALUES: dict[object, Callable[..., Tensor]] = {

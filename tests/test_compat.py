@@ -231,17 +231,31 @@ def test_a_lazy_graph_module_writes_its_code_when_run():
     assert "mul" in lazy.code
 
 
-def test_a_fake_built_directly_matches_the_fake_modes_own_factory_call():
-    from torch._subclasses.fake_tensor import FakeTensorMode
+def _symbolic_fake(mode, *sizes: int) -> torch.Tensor:
     from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
 
+    dynamic = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * len(sizes))
+    return mode.from_tensor(torch.empty(*sizes), symbolic_context=dynamic)
+
+
+def test_a_fake_built_from_meta_matches_the_fake_modes_own_factory_call():
+    """Built inside the mode, as the partitioner runs inside the compile's fake mode."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     mode = FakeTensorMode(shape_env=ShapeEnv())
-    dynamic = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * 3)
-    like = mode.from_tensor(torch.empty(2, 3, 4), symbolic_context=dynamic)
-    meta = torch.empty_permuted(like.shape, (2, 0, 1), dtype=torch.bfloat16, device="meta")
-    built = _compat.fake_like(like, meta, torch.device("cuda", 0))
+    like = _symbolic_fake(mode, 2, 3, 4)
+    order = (2, 0, 1)
+    metas = []
+
+    def make_meta() -> torch.Tensor:
+        metas.append(torch.empty_permuted(like.shape, order, dtype=torch.bfloat16, device="meta"))
+        return metas[-1]
+
     with mode:
-        made = torch.empty_permuted(like.shape, (2, 0, 1), dtype=torch.bfloat16, device="cuda:0")
+        built = _compat.fake_from_meta(mode, make_meta, torch.device("cuda", 1))
+        made = torch.empty_permuted(like.shape, order, dtype=torch.bfloat16, device="cuda:1")
+        assert (built * 2).shape == like.shape  # and it computes further in that mode
+    assert [type(m) for m in metas] == [torch.Tensor]  # built outside the fake mode
     assert type(built) is type(made)
     assert built.fake_mode is mode
     assert (built.shape, built.stride(), built.dtype, built.device) == (
@@ -250,5 +264,3 @@ def test_a_fake_built_directly_matches_the_fake_modes_own_factory_call():
         made.dtype,
         made.device,
     )
-    with mode:  # and it computes further in that mode
-        assert (built * 2).shape == like.shape

@@ -253,3 +253,35 @@ def test_new_transfer_nodes_carry_the_values_their_ops_produce(plan):
                 recorded.dtype,
                 recorded.device,
             )
+
+
+def test_the_rewrites_node_values_are_the_ops_fake_values():
+    """``ops.NODE_VALUES`` builds each new node's value directly; under the compile's fake
+    mode (symbolic sizes, a second device) it must match what the op's registered fake
+    implementation returns there."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    dynamic = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * 3)
+    device = torch.device("cuda", 1)
+    with mode:
+        a = mode.from_tensor(torch.empty(2, 3, 4), symbolic_context=dynamic).to(device)
+        layout = (2, 0, 1)
+        h = torch.empty_permuted(a.shape, layout, dtype=a.dtype)
+        ticket = torch.empty((), dtype=torch.int64)
+        arguments = {
+            ops.OFFLOAD: (a, layout),
+            ops.OFFLOAD_WAIT: (ticket, a, layout, [a]),
+            ops.RELOAD: (h, device, [a]),
+            ops.RELOAD_WAIT: (ticket, h, device),
+        }
+        for op, args in arguments.items():
+            built, made = ops.NODE_VALUES[op](*args), op(*args)
+            assert built.fake_mode is mode, op
+            assert (built.shape, built.stride(), built.dtype, built.device) == (
+                made.shape,
+                made.stride(),
+                made.dtype,
+                made.device,
+            ), op
