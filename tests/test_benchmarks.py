@@ -93,6 +93,22 @@ def test_checkpointing_target_names_the_nearest_of_ours():
     )
 
 
+def test_the_pass_on_top_of_checkpointing_does_not_count_against_checkpointing():
+    """Checkpointing with the pass moving nothing is checkpointing: within noise of it,
+    it must neither dominate it nor be the point that beats it."""
+    checkpoint = _point("checkpoint blocks", "checkpointing", 150.0, 7.0)
+    on_top = _point("checkpoint blocks, offload_pass auto", "offload_pass", 149.0, 7.0)
+    lines = compare.check_targets(POINTS + [checkpoint, on_top], NO_COPY_RATES)
+    assert lines[0] == (
+        "pareto: checkpoint blocks (150.0 ms, 7.00 GiB): NOT dominated: the fastest of ours "
+        "at or under its peak, offload_pass fraction 1, is 50.0 ms (33.3%) slower"
+    )
+    assert lines[-1] == (
+        "checkpointing: offload_pass fraction 1 is 33.3% slower at no more peak "
+        "(target >= 10% faster): MISSED"
+    )
+
+
 def test_op_overhead_times_each_transfer_op():
     import torch
 
