@@ -32,9 +32,10 @@ from offload_pass.units import format_bytes
 
 _ALLOCATION = re.compile(r"\s*(buf\d+) = empty_strided_cpu\(\(([^)]*)\), \([^)]*\), torch\.(\w+)\)")
 _REUSE = re.compile(r"\s*(buf\d+) = (?:reinterpret_tensor\()?(buf\d+)\b.*; del \2\s+# reuse")
-_RELOAD = re.compile(r"\s*(buf\d+) = torch\.ops\.offload_pass\.reload\.default\((\w+),")
+_RELOAD = re.compile(r"\s*(buf\d+) = torch\.ops\.offload_pass\.reload\.default\(\[([\w, ]+)\],")
 _RELOAD_WAIT = re.compile(r"\s*(buf\d+) = torch\.ops\.offload_pass\.reload_wait\.default\((\w+),")
 _ALIAS = re.compile(r"\s*(buf\d+) = (buf\d+)$")
+_ITEM = re.compile(r"\s*(buf\d+) = (buf\d+)\[(\d+)\]$")
 _DELETE = re.compile(r"\bdel (\w+)")
 
 
@@ -58,7 +59,7 @@ def code_peak(
     """The most the code holds at once: ``resident`` bytes, the ``saved`` inputs until the
     code deletes every alias of each storage, its own buffers, and what it reloads from
     the ``host`` inputs (their bytes by name): held by the reload's ticket from the reload
-    on, then by what its reload_wait returns."""
+    on, then by the list its reload_wait returns, then each by the tensor taken from it."""
     owner: dict[str, StorageWeakRef] = {}
     names: dict[StorageWeakRef, set[str]] = {}
     live: dict[object, int] = {}
@@ -69,12 +70,22 @@ def code_peak(
         live[ref] = value.untyped_storage().nbytes()
     total = peak = resident + sum(live.values())
     at = "start"
+    reloaded: dict[str, list[int]] = {}  # each ticket's, then list's, bytes per tensor
     for line in code.splitlines():
+        item = _ITEM.match(line)
+        if item and item.group(2) in reloaded:
+            nbytes = reloaded[item.group(2)][int(item.group(3))]
+            live[item.group(2)] -= nbytes
+            live[item.group(1)] = nbytes
+            continue
         if reuse := _REUSE.match(line) or _ALIAS.match(line) or _RELOAD_WAIT.match(line):
             live[reuse.group(1)] = live.pop(reuse.group(2), 0)
+            if reuse.group(2) in reloaded:
+                reloaded[reuse.group(1)] = reloaded.pop(reuse.group(2))
             continue
         if reload := _RELOAD.match(line):
-            live[reload.group(1)] = host[reload.group(2)]
+            reloaded[reload.group(1)] = [host[name] for name in reload.group(2).split(", ")]
+            live[reload.group(1)] = sum(reloaded[reload.group(1)])
             total += live[reload.group(1)]
         if allocation := _ALLOCATION.match(line):
             numel = 1

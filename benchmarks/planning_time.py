@@ -70,7 +70,7 @@ MODES = {
     "fraction 1": OffloadOptions(fraction=1.0, min_bytes=0, profile="h200"),
     "budget 0.7": OffloadOptions(memory_budget=0.7, min_bytes=0, profile="h200"),
 }
-STAGES = ("order", "analyse", "costs", "plan", "rewrite")
+STAGES = ("order", "analyse", "costs", "plan", "bucket", "rewrite")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

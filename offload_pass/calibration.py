@@ -118,18 +118,23 @@ def _host_seconds(call: Callable[[], object], calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def transfer_host_seconds(device: torch.device, calls: int = HOST_CALLS) -> TransferHostSeconds:
+def transfer_host_seconds(
+    device: torch.device, calls: int = HOST_CALLS, per_op: int = 1
+) -> TransferHostSeconds:
     """The host's time for the transfer ops, on tensors small enough that the copies
-    themselves cost nothing: what each storage moved adds to the host's side of a step.
-    Each buffer dies before the next call, as in training, so pinned blocks are reused."""
-    a = torch.randn(256, device=device)
-    layout = (0,)
-    h = ops.OFFLOAD_WAIT(ops.OFFLOAD(a, layout), a, layout, [])
+    themselves cost nothing: what each storage moved adds to the host's side of a step,
+    ``per_op`` storages moved by each op. Each buffer dies before the next call, as in
+    training, so pinned blocks are reused."""
+    a = [torch.randn(256, device=device) for _ in range(per_op)]
+    layouts = [0] * per_op
+    h = ops.OFFLOAD_WAIT(ops.OFFLOAD(a, layouts), a, layouts, [])
     seconds = TransferHostSeconds(
         offload=_host_seconds(
-            lambda: ops.OFFLOAD_WAIT(ops.OFFLOAD(a, layout), a, layout, []), calls
-        ),
-        reload=_host_seconds(lambda: ops.RELOAD_WAIT(ops.RELOAD(h, device, []), h, device), calls),
+            lambda: ops.OFFLOAD_WAIT(ops.OFFLOAD(a, layouts), a, layouts, []), calls
+        )
+        / per_op,
+        reload=_host_seconds(lambda: ops.RELOAD_WAIT(ops.RELOAD(h, device, []), h, device), calls)
+        / per_op,
     )
     if device.type == "cuda":
         torch.cuda.synchronize(device)

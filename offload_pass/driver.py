@@ -4,6 +4,7 @@
     analyse  the storages forward saves, and which of them may move           (analysis.py)
     costs    what each node takes in time, and when memory is held            (costs.py)
     plan     which storages move, and where each transfer op goes             (planner.py)
+    bucket   moves placed close together share one op each way                (bucket.py)
     rewrite  the transfer ops, inserted into both graphs                      (rewrite.py)
 
 Each stage reads the data the ones before it made; only ``order`` and ``rewrite`` edit
@@ -19,6 +20,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 
 from offload_pass.analysis import SavedGroup, find_saved_groups
+from offload_pass.bucket import bucket_transfers
 from offload_pass.calibration import profile_for
 from offload_pass.costs import estimate_costs
 from offload_pass.graphs import ChunkGraphs
@@ -72,7 +74,8 @@ def offload_chunk(
             chunk, profile_for(options.profile, device), timer_for(options.profile, device)
         )
     with clock.stage("plan"):
-        planned = plan_offloads(groups, costs, request_for(groups, options, rule))
+        request = request_for(groups, options, rule)
+        planned = plan_offloads(groups, costs, request)
     if planned.budget_shortfall:
         warnings.warn(
             f"offload_pass: {name} cannot meet memory_budget={planned.budget_bytes:,} bytes; "
@@ -80,6 +83,8 @@ def offload_chunk(
             "bytes over",
             stacklevel=2,
         )
+    with clock.stage("bucket"):
+        planned = bucket_transfers(planned, costs, request.stall_tolerance, request.in_flight)
     with clock.stage("rewrite"):
         moved = [d.group for d in planned.decisions if d.moved]
         insert_transfers(chunk, moved, planned.transfers)

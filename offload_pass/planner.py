@@ -175,6 +175,13 @@ def _offload_ends(
     ]
 
 
+def reload_positions(
+    groups: Sequence[SavedGroup], costs: ChunkCosts, depth: int = OVERLAP_DEPTH
+) -> dict[str, int]:
+    """Where each storage's reload goes, moved with ``groups`` (see ``place``)."""
+    return _reload_positions(groups, costs, _Clocks.of(costs), depth)
+
+
 def _reload_positions(
     groups: Sequence[SavedGroup], costs: ChunkCosts, clocks: _Clocks, depth: int
 ) -> dict[str, int]:

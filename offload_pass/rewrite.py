@@ -1,15 +1,18 @@
 """Rewrite: insert the transfer ops where the plan says. Decides nothing.
 
-Forward: ``ticket = offload(a)`` after ``a``'s producer, ``h = offload_wait(ticket, a)``
-where placed, and ``h`` replaces the saved values of ``a``'s storage in the outputs.
-Backward: the saved-value inputs become one host input, ``ticket = reload(h)`` and
-``g = reload_wait(ticket, h)`` go where placed, and each saved view is applied again to
-``g`` (with symbolic sizes computed from backward's own values).
+Forward: ``ticket = offload([a, ...])`` after the last producer of a bucket (the storages
+the plan places at the same nodes), ``[h, ...] = offload_wait(ticket, [a, ...])`` where
+placed, and each ``h`` replaces the saved values of its storage in the outputs.
+Backward: the saved-value inputs become one host input per storage, ``ticket =
+reload([h, ...])`` and ``[g, ...] = reload_wait(ticket, [h, ...])`` go where placed, and
+each saved view is applied again to its ``g`` (with symbolic sizes computed from
+backward's own values).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -74,13 +77,15 @@ def _as_tensor(node: torch.fx.Node) -> torch.fx.Node | None:
 
 @dataclasses.dataclass(frozen=True)
 class _Sites:
-    """One moved storage's nodes: its producer, the kernels reading it and the node its
-    wait follows, in forward; the node its reload precedes, its first use, and the
-    inputs receiving its saved values, in backward."""
+    """One moved storage's nodes: its producer, the kernels reading it, the node its
+    bucket's offload follows and the node its wait follows, in forward; the node its
+    bucket's reload precedes and the node its wait precedes, and the inputs receiving
+    its saved values, in backward."""
 
     group: SavedGroup
     root: torch.fx.Node
     readers: tuple[torch.fx.Node, ...]
+    offload_after: torch.fx.Node
     wait_after: torch.fx.Node
     reload_before: torch.fx.Node
     first_use: torch.fx.Node
@@ -99,12 +104,14 @@ def _resolve(
     groups = {g.root: g for g in moved}
     sites = []
     for t in transfers:
-        members = tuple(by_name[m] for m in groups[t.root].members)
+        group = groups[t.root]
+        members = tuple(by_name[m] for m in group.members)
         sites.append(
             _Sites(
-                groups[t.root],
+                group,
+                by_name[t.root],
+                tuple(by_name[r] for r in group.forward_readers),
                 forward[t.offload_at],
-                tuple(by_name[r] for r in groups[t.root].forward_readers),
                 forward[t.wait_at],
                 backward[t.reload_at],
                 backward[t.need_at],
@@ -115,41 +122,93 @@ def _resolve(
     return sites
 
 
+def _buckets(sites: Sequence[_Sites], *where: str) -> list[list[_Sites]]:
+    """The sites one op moves: those of one device the planner placed at the same nodes
+    ``where`` names, in the order of their first site."""
+    buckets: dict[tuple[object, ...], list[_Sites]] = {}
+    for s in sites:
+        key = (s.root.meta["val"].device, *(getattr(s, w) for w in where))
+        buckets.setdefault(key, []).append(s)
+    return list(buckets.values())
+
+
+def _unpacked(
+    graph: torch.fx.Graph, node: torch.fx.Node, likes: Sequence[torch.fx.Node]
+) -> list[torch.fx.Node]:
+    """The tensors of ``node``'s list, one node each, right after it."""
+    items = []
+    for i, like in reversed(list(enumerate(likes))):
+        with graph.inserting_after(node):
+            item = graph.call_function(operator.getitem, (node, i))
+        item.meta["val"] = node.meta["val"][i]
+        item.meta.update({k: like.meta[k] for k in _COPIED_META if k in like.meta})
+        items.append(item)
+    return items[::-1]
+
+
 def _wait_tokens(
-    site: _Sites,
+    bucket: Sequence[_Sites],
     tickets: dict[torch.fx.Node, torch.fx.Node],
     order: dict[torch.fx.Node, int],
 ) -> list[torch.fx.Node]:
-    """What an offload_wait must come after: every kernel reading the storage, and the
-    point the planner chose. (Depending on the readers' results keeps a compiler from
-    computing a fused read after the wait.) A moved storage stands in by its ticket, so
-    its own wait stays its last use. ``order``: each forward node's position."""
-    tensors = [_as_tensor(r) for r in site.readers]
-    candidates = [t for t in [*tensors, *_token_before(site.wait_after)] if t is not None]
-    found = [tickets.get(t, t) for t in candidates]
-    return [
-        t for t in dict.fromkeys(found) if t is not site.root and order[t] <= order[site.wait_after]
-    ]
+    """What a bucket's offload_wait must come after: every kernel reading its storages,
+    and the point the planner chose. (Depending on the readers' results keeps a compiler
+    from computing a fused read after the wait.) A moved storage stands in by its ticket,
+    so its own wait stays its last use. ``tickets``: each moved root's offload; ``order``:
+    each forward node's position."""
+    wait_after = bucket[0].wait_after
+    placed = order[_past_offloads(wait_after)]
+    ticket = tickets[bucket[0].root]
+    readers = [_as_tensor(r) for s in bucket for r in s.readers]
+    candidates = [t for t in [*readers, *_token_before(wait_after)] if t is not None]
+    own = {s.root for s in bucket}
+    found = [_stand_in(t, tickets, order, placed) for t in candidates if t not in own]
+    return [t for t in dict.fromkeys(found) if t is not ticket and order[t] <= placed]
+
+
+def _stand_in(
+    token: torch.fx.Node,
+    tickets: dict[torch.fx.Node, torch.fx.Node],
+    order: dict[torch.fx.Node, int],
+    placed: int,
+) -> torch.fx.Node:
+    """A moved token's ticket where it comes before ``placed`` (so that the token's own
+    wait stays its last use), else the token itself: its own wait comes later still."""
+    ticket = tickets.get(token)
+    return ticket if ticket is not None and order[ticket] <= placed else token
+
+
+def _past_offloads(node: torch.fx.Node) -> torch.fx.Node:
+    """The last of the offloads inserted right after ``node``, or ``node``."""
+    while node.next.target is ops.OFFLOAD:
+        node = node.next
+    return node
 
 
 def rewrite_forward(
     forward: torch.fx.GraphModule, sites: Sequence[_Sites], num_forward_outputs: int
 ) -> dict[torch.fx.Node, torch.fx.Node]:
-    """Insert offload and offload_wait; return the host node of each moved root."""
+    """Insert offload and offload_wait, one of each per bucket; return the host node of
+    each moved root."""
     graph = forward.graph
-    layouts = {s.root: dense_layout(s.root.meta["val"]) for s in sites}
+    buckets = _buckets(sites, "offload_after", "wait_after")
     tickets: dict[torch.fx.Node, torch.fx.Node] = {}
-    for s in sites:
-        with graph.inserting_after(s.root):
-            tickets[s.root] = _add_node(graph, ops.OFFLOAD, (s.root, layouts[s.root]), s.root)
+    for bucket in buckets:
+        roots = [s.root for s in bucket]
+        layouts = ops.joined_layouts([dense_layout(r.meta["val"]) for r in roots])
+        with graph.inserting_after(bucket[0].offload_after):
+            ticket = _add_node(graph, ops.OFFLOAD, (roots, layouts), roots[0])
+        tickets.update(dict.fromkeys(roots, ticket))
     order = {n: i for i, n in enumerate(graph.nodes)}
-    tokens = {s.root: _wait_tokens(s, tickets, order) for s in sites}
+    tokens = [_wait_tokens(b, tickets, order) for b in buckets]
     host: dict[torch.fx.Node, torch.fx.Node] = {}
-    for s in reversed(sites):
-        anchor = tickets.get(s.wait_after, s.wait_after)
-        args = (tickets[s.root], s.root, layouts[s.root], tokens[s.root])
-        with graph.inserting_after(anchor):
-            host[s.root] = _add_node(graph, ops.OFFLOAD_WAIT, args, s.root)
+    for bucket, after in reversed(list(zip(buckets, tokens, strict=True))):
+        roots = [s.root for s in bucket]
+        ticket = tickets[roots[0]]
+        args = (ticket, roots, ticket.args[1], after)
+        with graph.inserting_after(_past_offloads(bucket[0].wait_after)):
+            wait = _add_node(graph, ops.OFFLOAD_WAIT, args, roots[0])
+        host.update(zip(roots, _unpacked(graph, wait, roots), strict=True))
 
     output = graph.output_node()
     outputs = list(output.args[0])
@@ -172,7 +231,8 @@ def rewrite_backward(
     sites: Sequence[_Sites],
     host: dict[torch.fx.Node, torch.fx.Node],
 ) -> None:
-    """Turn saved inputs into host inputs, then insert reload, reload_wait and views."""
+    """Turn saved inputs into host inputs, then insert reload and reload_wait, one of
+    each per bucket, and each saved view."""
     graph = backward.graph
     host_inputs = {}
     for s in sites:
@@ -182,25 +242,40 @@ def rewrite_backward(
         host_inputs[s.root] = host_input
 
     position = {n: i for i, n in enumerate(graph.nodes)}
-    tokens = {s.root: _token_before(s.reload_before.prev) for s in sites}
+    buckets = sorted(
+        _buckets(sites, "reload_before", "first_use"), key=lambda b: position[b[0].first_use]
+    )
+    tokens = [_token_before(b[0].reload_before.prev) for b in buckets]
     size_inputs = SymbolSources.inputs_of(graph)
-    for s in sorted(sites, key=lambda s: position[s.first_use]):
-        device = s.root.meta["val"].device
-        h = host_inputs[s.root]
-        with graph.inserting_before(s.reload_before):
-            ticket = _add_node(graph, ops.RELOAD, (h, device, tokens[s.root]), s.root)
-        with graph.inserting_before(s.first_use):
-            loaded = _add_node(graph, ops.RELOAD_WAIT, (ticket, h, device), s.root)
+    for bucket, after in zip(buckets, tokens, strict=True):
+        device = bucket[0].root.meta["val"].device
+        hosts = [host_inputs[s.root] for s in bucket]
+        like = bucket[0].root
+        with graph.inserting_before(bucket[0].reload_before):
+            ticket = _add_node(graph, ops.RELOAD, (hosts, device, after), like)
+        with graph.inserting_before(bucket[0].first_use):
+            loaded = _add_node(graph, ops.RELOAD_WAIT, (ticket, hosts, device), like)
+        storages = _unpacked(graph, loaded, [s.root for s in bucket])
+        for s, storage in zip(bucket, storages, strict=True):
             sizes = SymbolSources.of(size_inputs, s.root.meta["val"])
-            for member, received in zip(s.members, s.received, strict=True):
-                view = loaded
-                for step in view_chain(member):
-                    args, kwargs = sizes.derive((step.args[1:], step.kwargs), graph, loaded)
-                    view = _add_node(graph, step.target, (view, *args), step, kwargs)
-                received.replace_all_uses_with(view)
-                graph.erase_node(received)
+            with graph.inserting_before(bucket[0].first_use):
+                _replay_views(graph, s, storage, sizes)
     graph.lint()
     backward.recompile()
+
+
+def _replay_views(
+    graph: torch.fx.Graph, site: _Sites, storage: torch.fx.Node, sizes: SymbolSources
+) -> None:
+    """Apply each saved view of ``site``'s storage to ``storage`` again, in place of the
+    backward input that received it."""
+    for member, received in zip(site.members, site.received, strict=True):
+        view = storage
+        for step in view_chain(member):
+            args, kwargs = sizes.derive((step.args[1:], step.kwargs), graph, storage)
+            view = _add_node(graph, step.target, (view, *args), step, kwargs)
+        received.replace_all_uses_with(view)
+        graph.erase_node(received)
 
 
 def insert_transfers(

@@ -1,11 +1,12 @@
 """What the offload ops do when they run: copy streams, completion events, host buffers.
 
-State is per transfer, never per chunk: each copy in flight is named by its own ticket
-(a scalar CPU tensor the graph passes from the op that starts the copy to the op that
-waits for it) and records its own completion event. The buffer a copy writes stays with
-the runtime until its wait hands it to the graph, so nothing reads it early; a reload's
-device buffer is also recorded on the copy stream, so that if backward raises before the
-wait, the allocator does not hand the buffer out again while the copy still writes it.
+State is per transfer, never per chunk: each op's copies in flight are named by their own
+ticket (a scalar CPU tensor the graph passes from the op that starts the copies to the op
+that waits for them) and record their own completion event. The buffers the copies write
+stay with the runtime until the wait hands them to the graph, so nothing reads them
+early; a reload's device buffers are also recorded on the copy stream, so that if
+backward raises before the wait, the allocator does not hand one out again while the
+copy still writes it.
 
 Pinned host buffers come from PyTorch's caching host allocator, which keeps freed blocks
 for reuse (no new pinned allocation in steady state) and hands a block out again only
@@ -50,9 +51,11 @@ class TransferCounts:
 
 @dataclasses.dataclass(frozen=True)
 class _PendingCopy:
-    """A copy in flight: the buffer it writes, and its completion event (None off CUDA)."""
+    """One op's copies in flight: the buffers they write, in order, and the event
+    recorded after the last (None off CUDA); the stream runs them in order, so it marks
+    them all done."""
 
-    buffer: torch.Tensor
+    buffers: tuple[torch.Tensor, ...]
     done: torch.cuda.Event | None
 
 
@@ -125,10 +128,10 @@ def _redeem(table: dict[int, _PendingCopy], ticket: torch.Tensor, op: str) -> _P
     return copy
 
 
-def _wait(copy: _PendingCopy, device: torch.device) -> torch.Tensor:
+def _wait(copy: _PendingCopy, device: torch.device) -> list[torch.Tensor]:
     if copy.done is not None:
         torch.cuda.current_stream(device).wait_event(copy.done)
-    return copy.buffer
+    return list(copy.buffers)
 
 
 def _host_buffer(a: torch.Tensor, layout: Sequence[int]) -> torch.Tensor:
@@ -162,31 +165,48 @@ def _in_layout_of(h: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(a.shape, h.stride(), dtype=a.dtype, device=a.device).copy_(a)
 
 
-def offload(a: torch.Tensor, layout: Sequence[int]) -> torch.Tensor:
-    with _nvtx_range("offload", a.device):
-        h = _host_buffer(a, layout)
+def _one_device(tensors: Sequence[torch.Tensor], op: str) -> torch.device:
+    if not tensors:
+        raise OffloadError(f"{op}: no tensors given")
+    device = tensors[0].device
+    devices = {str(t.device) for t in tensors}
+    if len(devices) > 1:
+        raise OffloadError(f"{op}: one call moves tensors of one device, got {sorted(devices)}")
+    return device
+
+
+def offload(tensors: Sequence[torch.Tensor], layouts: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Copy each of ``tensors`` into a new host buffer laid out as its entry of ``layouts``
+    says, one after another on the device-to-host stream; the ticket naming them."""
+    device = _one_device(tensors, "offload")
+    with _nvtx_range("offload", device):
+        hosts = tuple(_host_buffer(a, layout) for a, layout in zip(tensors, layouts, strict=True))
         event = None
-        if a.device.type == "cuda":
-            streams = copy_streams(a.device)
-            streams.device_to_host.wait_stream(torch.cuda.current_stream(a.device))
+        if device.type == "cuda":
+            streams = copy_streams(device)
+            streams.device_to_host.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(streams.device_to_host):
-                h.copy_(_in_layout_of(h, a), non_blocking=True)
+                for h, a in zip(hosts, tensors, strict=True):
+                    h.copy_(_in_layout_of(h, a), non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(streams.device_to_host)
         else:
-            h.copy_(a)
-        key = h.untyped_storage().data_ptr()
-        _offload_done[key] = event
-        weakref.finalize(h, _offload_done.pop, key, None)
-        _totals["offloads"] += 1
-        _totals["bytes"] += h.numel() * h.element_size()
-        return _issue(_pending_offloads, _PendingCopy(h, event))
+            for h, a in zip(hosts, tensors, strict=True):
+                h.copy_(a)
+        for h in hosts:
+            key = h.untyped_storage().data_ptr()
+            _offload_done[key] = event
+            weakref.finalize(h, _offload_done.pop, key, None)
+            _totals["offloads"] += 1
+            _totals["bytes"] += h.numel() * h.element_size()
+        return _issue(_pending_offloads, _PendingCopy(hosts, event))
 
 
-def offload_wait(ticket: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """The compute stream waits for the copy of ``a``; after this ``a`` may be freed."""
-    with _nvtx_range("offload_wait", a.device):
-        return _wait(_redeem(_pending_offloads, ticket, "offload_wait"), a.device)
+def offload_wait(ticket: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
+    """The compute stream waits for the copies ``ticket`` names; after this the device
+    tensors they read may be freed."""
+    with _nvtx_range("offload_wait", device):
+        return _wait(_redeem(_pending_offloads, ticket, "offload_wait"), device)
 
 
 def wait_for_offload(stream: torch.cuda.Stream, h: torch.Tensor) -> None:
@@ -200,25 +220,35 @@ def wait_for_offload(stream: torch.cuda.Stream, h: torch.Tensor) -> None:
         stream.wait_event(event)
 
 
-def reload(h: torch.Tensor, device: torch.device) -> torch.Tensor:
+def reload(hosts: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Copy each host tensor into a new buffer on ``device``, one after another on the
+    host-to-device stream; the ticket naming them."""
+    _one_device(hosts, "reload")
     with _nvtx_range("reload", device):
-        g = torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=device)
+        loaded = tuple(
+            torch.empty_strided(h.shape, h.stride(), dtype=h.dtype, device=device) for h in hosts
+        )
         event = None
         if device.type == "cuda":
             streams = copy_streams(device)
             streams.host_to_device.wait_stream(torch.cuda.current_stream(device))
-            wait_for_offload(streams.host_to_device, h)
+            for h in hosts:
+                wait_for_offload(streams.host_to_device, h)
             with torch.cuda.stream(streams.host_to_device):
-                g.copy_(h, non_blocking=True)
+                for g, h in zip(loaded, hosts, strict=True):
+                    g.copy_(h, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(streams.host_to_device)
-            g.record_stream(streams.host_to_device)
+            for g in loaded:
+                g.record_stream(streams.host_to_device)
         else:
-            g.copy_(h)
-        return _issue(_pending_reloads, _PendingCopy(g, event))
+            for g, h in zip(loaded, hosts, strict=True):
+                g.copy_(h)
+        return _issue(_pending_reloads, _PendingCopy(loaded, event))
 
 
-def reload_wait(ticket: torch.Tensor) -> torch.Tensor:
+def reload_wait(ticket: torch.Tensor) -> list[torch.Tensor]:
     copy = _redeem(_pending_reloads, ticket, "reload_wait")
-    with _nvtx_range("reload_wait", copy.buffer.device):
-        return _wait(copy, copy.buffer.device)
+    device = copy.buffers[0].device
+    with _nvtx_range("reload_wait", device):
+        return _wait(copy, device)

@@ -237,6 +237,25 @@ class MemoryTimeline:
         self.top = max(self.top, max(self.live[away], default=0))
         self.held_between += t.nbytes
 
+    def _extra(self, holds: Sequence[tuple[int, int, int]]) -> dict[int, int]:
+        extra: dict[int, int] = defaultdict(int)
+        for start, stop, nbytes in holds:
+            for position in range(start, stop):
+                extra[position] += nbytes
+        return extra
+
+    def fits(self, holds: Sequence[tuple[int, int, int]]) -> bool:
+        """Whether holding ``nbytes`` more over each span ``[start, stop)`` of positions
+        (forward's, then backward's after them) leaves the top where it is."""
+        extra = self._extra(holds)
+        return all(self.live[p] + b <= self.top for p, b in extra.items())
+
+    def hold(self, holds: Sequence[tuple[int, int, int]]) -> None:
+        """Count ``nbytes`` more as held over each span (as ``fits`` takes them)."""
+        for p, b in self._extra(holds).items():
+            self.live[p] += b
+            self.top = max(self.top, self.live[p])
+
 
 def peak_bytes(costs: ChunkCosts, transfers: Sequence[Transfer], in_flight: int = 1) -> int:
     """The device peak of one step (see ``MemoryTimeline``)."""

@@ -174,18 +174,24 @@ def test_code_peak_counts_reloads_on_the_device_and_host_buffers_nowhere():
 
     code = "\n".join(
         [
-            "        buf0 = torch.ops.offload_pass.reload.default(offload_wait, device(type='cpu'), [buf9])",  # noqa: E501
-            "        buf1 = torch.ops.offload_pass.reload_wait.default(buf0, offload_wait, device(type='cpu'))",  # noqa: E501
-            "        del buf0",  # the ticket: the reloaded tensor is buf1's now
-            "        del offload_wait",  # a host buffer: nothing on the device
-            "        buf2 = buf1",
-            "        del buf1",  # buf2 still holds the reloaded tensor
-            "        buf3 = empty_strided_cpu((4, ), (1, ), torch.float32)",  # +16
+            "        buf0 = torch.ops.offload_pass.reload.default([h0, h1], device(type='cpu'), [buf9])",  # noqa: E501
+            "        buf7 = buf0",  # the ticket, renamed
+            "        buf1 = torch.ops.offload_pass.reload_wait.default(buf7, [h0, h1], device(type='cpu'))",  # noqa: E501
+            "        buf8 = buf9[0]",  # another op's tuple: nothing reloaded
+            "        buf5 = buf1[0]",
+            "        buf6 = buf1[1]",
+            "        del buf7",  # the ticket: the reloaded tensors are buf5's and buf6's now
+            "        del h0",  # a host buffer: nothing on the device
+            "        del buf1",  # the list: its tensors live on
+            "        buf2 = buf5",
+            "        del buf5",  # buf2 still holds the first reloaded tensor
+            "        del buf6",  # -32
+            "        buf3 = empty_strided_cpu((16, ), (1, ), torch.float32)",  # +64
             "        del buf2",  # -128
         ]
     )
-    peak, at = code_peak(code, resident=10, saved={}, host={"offload_wait": 128})
-    assert peak == 10 + 128 + 16
+    peak, at = code_peak(code, resident=10, saved={}, host={"h0": 128, "h1": 32})
+    assert peak == 10 + 128 + 64
     assert at.startswith("buf3 = empty_strided_cpu")
 
 

@@ -29,19 +29,23 @@ def _stall(stream: torch.cuda.Stream, ms: int = STALL_MS) -> None:
 
 
 def _reload_after_stalled_offload() -> tuple[bool, bool]:
-    """(the offload was still in flight when the reload was issued, reload == source).
+    """(the offload was still in flight when the reload was issued, reload == source),
+    for a bucket of two tensors of different types and layouts.
 
-    The reload takes the host buffer before its offload_wait, as no graph can: the copy
-    streams' own ordering is what is checked."""
+    The reload takes the host buffers before their offload_wait, as no graph can: the
+    copy streams' own ordering is what is checked."""
     a = torch.randn(64 * 2**20, device="cuda")  # 256 MiB, fresh values every call
+    b = torch.randn(8, 2**20, device="cuda", dtype=torch.bfloat16).t()
     torch.cuda.synchronize()
     _stall(runtime.copy_streams(a.device).device_to_host)
-    ticket = ops.offload(a, (0,))
-    h = runtime._pending_offloads[int(ticket)].buffer
-    reloading = ops.reload(h, a.device, [])
-    in_flight = not runtime._offload_done[h.untyped_storage().data_ptr()].query()
-    same = torch.equal(ops.reload_wait(reloading, h, a.device), a)
-    ops.offload_wait(ticket, a, (0,), [])
+    layouts = [0, 1, 0]
+    ticket = ops.offload([a, b], layouts)
+    hosts = runtime._pending_offloads[int(ticket)].buffers
+    reloading = ops.reload(hosts[::-1], a.device, [])
+    in_flight = not runtime._offload_done[hosts[0].untyped_storage().data_ptr()].query()
+    reloaded = ops.reload_wait(reloading, hosts[::-1], a.device)
+    same = torch.equal(reloaded[1], a) and torch.equal(reloaded[0], b)
+    ops.offload_wait(ticket, [a, b], layouts, [])
     torch.cuda.synchronize()
     return in_flight, same
 
@@ -64,14 +68,14 @@ def test_an_offload_into_another_layout_does_not_block_the_host():
     """The device tensor is row-major and the host buffer column-major (the layout
     backward was compiled for): the copy still runs on the copy stream, host free."""
     a = torch.randn(4096, 4096, device="cuda")
-    layout = (1, 0)
-    ops.offload_wait(ops.offload(a, layout), a, layout, [])  # a pinned block to reuse
+    layout = [1, 0]
+    ops.offload_wait(ops.offload([a], layout), [a], layout, [])  # a pinned block to reuse
     torch.cuda.synchronize()
     _stall(runtime.copy_streams(a.device).device_to_host)
     start = time.perf_counter()
-    ticket = ops.offload(a, layout)
+    ticket = ops.offload([a], layout)
     issued = time.perf_counter() - start
-    h = ops.offload_wait(ticket, a, layout, [])
+    (h,) = ops.offload_wait(ticket, [a], layout, [])
     torch.cuda.synchronize()
     assert issued < STALL_MS / 1e3 / 2, f"the host waited {issued * 1e3:.0f} ms for the copy"
     assert h.stride() == (1, 4096)
@@ -85,7 +89,7 @@ def _reload_dropped_before_its_wait() -> tuple[bool, torch.Tensor]:
     h = torch.ones(64 * 2**20).pin_memory()  # 256 MiB
     copy_stream = runtime.copy_streams(torch.device("cuda")).host_to_device
     _stall(copy_stream)
-    ticket = ops.reload(h, torch.device("cuda"), [])
+    ticket = ops.reload([h], torch.device("cuda"), [])
     copied = torch.cuda.Event()
     copied.record(copy_stream)
     del ticket  # its finalizer drops the reload at once

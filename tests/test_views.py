@@ -60,7 +60,8 @@ def test_storage_crosses_once_and_views_share_one_storage_after_reload():
     left, right = _forward(x, w)[1:]
     assert torch.equal(grad, _backward(left, right, torch.tensor(1.0))[0])
 
-    (loaded,) = plan.backward.graph.find_nodes(op="call_function", target=ops.RELOAD_WAIT)
+    (wait,) = plan.backward.graph.find_nodes(op="call_function", target=ops.RELOAD_WAIT)
+    (loaded,) = wait.users
     views = [
         n for n in plan.backward.graph.nodes if n.op == "call_function" and n.args[:1] == (loaded,)
     ]

@@ -1,0 +1,171 @@
+"""Bucket: storages the plan moves close together travel in one op each way.
+
+Every transfer op costs the host one call through the dispatcher and into Python, and
+the compiler one more node to lower, whatever it moves: a transformer block saves a dozen
+storages, and moved one by one they took four ops each. One op moving several storages
+copies them one after another on its stream, as that many ops issued at its point
+would; what changes is when each copy starts and how long each storage is held.
+
+- Forward: a run of storages in production order, each produced before the run's first
+  would be freed, is copied by one offload after its last producer and waited for once,
+  where the last of their waits was. Earlier members stay on the device until then.
+- Backward: a run of storages in need order, each reloaded (as planned alone) before the
+  run's first need, is reloaded by one op and waited for once, before that need. The op
+  is placed as the planner places a reload, the run taken as one storage of all its
+  bytes: members needed later arrive on the device earlier.
+
+A storage joins a forward run only where what it holds longer leaves the predicted peak
+where it is (``MemoryTimeline.fits``), and a backward run is kept only where what its
+storages hold earlier does. The buckets are kept where the simulated step is no slower than
+the plan's without them, or within the stall tolerance of the step with nothing moved;
+else the forward's alone, else none. The host's time is still priced
+per storage: what a storage adds to an op that moves others has not been measured apart
+from what an op of its own costs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+from offload_pass.costs import ChunkCosts
+from offload_pass.planner import ChunkPlan, reload_positions
+from offload_pass.simulate import MemoryTimeline, Prediction, Transfer, simulate
+
+Hold = tuple[int, int, int]
+"""Positions ``[start, stop)`` over which ``nbytes`` more are held: (start, stop, nbytes)."""
+
+
+def _runs(
+    ordered: Sequence[Transfer],
+    joins: Callable[[list[Transfer], Transfer], bool],
+    holds: Callable[[list[Transfer], Transfer], list[Hold]],
+    memory: MemoryTimeline,
+) -> list[list[Transfer]]:
+    """``ordered`` cut into runs: each transfer joins the run before it where ``joins``
+    allows and the memory it ``holds`` longer fits under the peak."""
+    runs: list[list[Transfer]] = []
+    for t in ordered:
+        run = runs[-1] if runs else []
+        if run and joins(run, t):
+            held = holds(run, t)
+            if memory.fits(held):
+                memory.hold(held)
+                run.append(t)
+                continue
+        runs.append([t])
+    return runs
+
+
+def _forward_runs(transfers: Sequence[Transfer], memory: MemoryTimeline) -> list[list[Transfer]]:
+    def joins(run: list[Transfer], t: Transfer) -> bool:
+        return t.offload_at <= min(r.wait_at for r in run)
+
+    def holds(run: list[Transfer], t: Transfer) -> list[Hold]:
+        """Each member now freed at the run's last wait, after where it was freed."""
+        was = max(r.wait_at for r in run)
+        now = max(was, t.wait_at)
+        extended = [(was + 1, now + 1, r.nbytes) for r in run]
+        return [*extended, (t.wait_at + 1, now + 1, t.nbytes)]
+
+    return _runs(sorted(transfers, key=lambda t: t.offload_at), joins, holds, memory)
+
+
+def _backward_runs(transfers: Sequence[Transfer]) -> list[list[Transfer]]:
+    """Runs in need order, each storage reloaded (as planned alone) before the run's
+    first need: it would have been on the device by then anyway."""
+    runs: list[list[Transfer]] = []
+    for t in sorted(transfers, key=lambda t: (t.need_at, t.reload_at)):
+        if runs and t.reload_at <= runs[-1][0].need_at:
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+    return runs
+
+
+def _reloads_placed(
+    runs: Sequence[Sequence[Transfer]], planned: ChunkPlan, costs: ChunkCosts
+) -> dict[str, dict[str, int]]:
+    """Each run's reload placed by the planner's rule, the run taken as one storage of
+    all its bytes needed at its first need; its wait before that need."""
+    groups = {d.group.root: d.group for d in planned.decisions}
+    as_one = {
+        run[0].root: dataclasses.replace(
+            groups[run[0].root],
+            nbytes=sum(t.nbytes for t in run),
+            first_backward_use=run[0].need_at,
+        )
+        for run in runs
+    }
+    reload_at = reload_positions(list(as_one.values()), costs, planned.overlap_depth)
+    return {
+        t.root: {"reload_at": reload_at[run[0].root], "need_at": run[0].need_at}
+        for run in runs
+        for t in run
+    }
+
+
+def _reloads_that_fit(
+    runs: Sequence[Sequence[Transfer]],
+    placed: dict[str, dict[str, int]],
+    memory: MemoryTimeline,
+) -> dict[str, dict[str, int]]:
+    """``placed`` for each run whose storages, reloaded before their own reloads, leave
+    the peak where it is; each storage of any other run where it was planned alone."""
+    before = memory.num_forward
+    kept = {}
+    for run in runs:
+        held = [
+            (before + placed[t.root]["reload_at"], before + t.reload_at, t.nbytes)
+            for t in run
+            if placed[t.root]["reload_at"] < t.reload_at
+        ]
+        fits = memory.fits(held)
+        if fits:
+            memory.hold(held)
+        for t in run:
+            alone = {"reload_at": t.reload_at, "need_at": t.need_at}
+            kept[t.root] = placed[t.root] if fits else alone
+    return kept
+
+
+_FORWARD = {"offload_at": max, "wait_at": max}
+
+
+def _together(
+    runs: Sequence[Sequence[Transfer]], fields: dict[str, Callable[..., int]]
+) -> dict[str, dict[str, int]]:
+    """Each run's positions, one per field (the latest of its members'), by root."""
+    placed = {}
+    for run in runs:
+        together = {f: pick(getattr(t, f) for t in run) for f, pick in fields.items()}
+        placed.update(dict.fromkeys((t.root for t in run), together))
+    return placed
+
+
+def _no_worse(bucketed: Prediction, alone: Prediction, stall_tolerance: float) -> bool:
+    """Peak no higher, step no slower than ``alone``'s or the tolerance allows (times
+    summed in another order differ in their last bits: those are equal)."""
+    slowest = max(alone.step_seconds, (1 + stall_tolerance) * alone.baseline_seconds)
+    return bucketed.peak_bytes <= alone.peak_bytes and bucketed.step_seconds <= slowest * (1 + 1e-9)
+
+
+def bucket_transfers(
+    planned: ChunkPlan, costs: ChunkCosts, stall_tolerance: float, in_flight: int = 1
+) -> ChunkPlan:
+    """``planned`` with its transfers in buckets both ways, else forward's alone, where
+    the prediction is no worse (see above), and that prediction; else ``planned``."""
+    transfers = planned.transfers
+    memory = MemoryTimeline(costs, transfers, in_flight)
+    forward = _together(_forward_runs(transfers, memory), _FORWARD)
+    forward_only = tuple(dataclasses.replace(t, **forward[t.root]) for t in transfers)
+    runs = _backward_runs(transfers)
+    backward = _reloads_that_fit(runs, _reloads_placed(runs, planned, costs), memory)
+    both = tuple(dataclasses.replace(t, **backward[t.root]) for t in forward_only)
+    for candidate in (both, forward_only):
+        if candidate == transfers:
+            return planned
+        prediction = simulate(costs, candidate, in_flight)
+        if _no_worse(prediction, planned.prediction, stall_tolerance):
+            return dataclasses.replace(planned, transfers=candidate, prediction=prediction)
+    return planned

@@ -1,0 +1,91 @@
+"""Buckets: storages placed close together move in one op each way, where the predicted
+step and peak stay as they were. The synthetic chunk is the planner tests' (ten 1 ms
+nodes each way; ``a<i>`` made by forward node ``i``, read by ``i + 1`` and first read by
+backward node ``10 - i``; copies at 1 GB/s)."""
+
+from __future__ import annotations
+
+import torch
+
+import offload_pass
+from offload_pass import ops
+from offload_pass.bucket import _forward_runs, bucket_transfers
+from offload_pass.planner import Request, plan_offloads
+from offload_pass.simulate import MemoryTimeline
+from tests import models
+from tests.conftest import train_step
+from tests.test_planner import MB, chunk, group, plan
+
+
+def _positions(planned) -> dict[str, tuple[int, int, int, int]]:
+    return {t.root: (t.offload_at, t.wait_at, t.reload_at, t.need_at) for t in planned.transfers}
+
+
+def test_storages_made_before_the_first_is_freed_share_one_op_each_way():
+    # Eight 0.1 MB copies (0.1 ms each) beside an 8 MB activation that stays: a1 is made
+    # before a0 is freed (at node 1), so one op copies both after node 1 and one wait
+    # follows node 2, where a1's was. Backward reloads each pair once, before the first
+    # need of the two, as the planner places one reload of 0.2 MB. The step and the
+    # peak (the 8 MB activation's) stay as they were.
+    small = [group(i, MB // 10) for i in range(8)]
+    stays = group(9, 8 * MB)
+    costs = chunk([*small, stays])
+    shares = {g.root: ("", 1.0) for g in small} | {stays.root: ("", 0.0)}
+    planned = plan_offloads([*small, stays], costs, Request(shares, 0, 0.0, None))
+    assert _positions(planned)["a0"] == (0, 1, 9, 10)
+    assert _positions(planned)["a1"] == (1, 2, 8, 9)
+
+    bucketed = bucket_transfers(planned, costs, stall_tolerance=0.0)
+    pairs = [(1, 2, 8, 9), (3, 4, 6, 7), (5, 6, 4, 5), (7, 8, 2, 3)]
+    assert _positions(bucketed) == {f"a{i}": pairs[i // 2] for i in range(8)}
+    assert bucketed.prediction.step_seconds == planned.prediction.step_seconds
+    assert bucketed.prediction.peak_bytes == planned.prediction.peak_bytes
+    assert bucketed.decisions == planned.decisions
+
+
+def test_a_bucket_that_would_make_compute_wait_is_not_made():
+    # a0's 8 ms copy only just finishes in forward; copied together with a1 and a2 after
+    # node 2, it would end after forward, and forward would wait for it.
+    groups = [group(0, 8 * MB), group(1, MB // 10), group(2, MB // 10)]
+    planned = plan(groups, share=1.0)
+    assert bucket_transfers(planned, chunk(groups), stall_tolerance=0.0) is planned
+
+
+def test_a_storage_held_longer_must_leave_the_peak_where_it_is():
+    # Only the moved storages are ever on the device, two at most at once: holding a0
+    # until a1's wait would put three there, and so for each pair up to a5's wait. a6
+    # held until a7's wait is not: by then a0 to a4 are back on the host.
+    groups = [group(i, MB // 10) for i in range(8)]
+    planned = plan(groups, share=1.0)
+    costs = chunk(groups)
+    runs = _forward_runs(planned.transfers, MemoryTimeline(costs, planned.transfers))
+    assert [[t.root for t in run] for run in runs] == [
+        ["a0"],
+        ["a1"],
+        ["a2"],
+        ["a3"],
+        ["a4"],
+        ["a5"],
+        ["a6", "a7"],
+    ]
+    bucketed = bucket_transfers(planned, costs, stall_tolerance=0.0)
+    assert bucketed.prediction.peak_bytes == planned.prediction.peak_bytes
+
+
+def test_a_compiled_stack_moves_in_buckets_with_gradients_unchanged():
+    torch.manual_seed(0)
+    model = models.BlockStack(dim=64, heads=4, depth=2)
+    x = torch.randn(4, 64, 64)
+    loss, grads, x_grad = train_step(torch.compile(model, backend="aot_eager"), x)
+    backend = offload_pass.backend(fraction=1.0, min_bytes=0, profile="h200", compiler="eager")
+    offloaded = train_step(torch.compile(model, backend=backend), x)
+    assert torch.equal(offloaded[0], loss) and torch.equal(offloaded[2], x_grad)
+    assert grads.keys() == offloaded[1].keys()
+    for name, grad in grads.items():
+        assert torch.equal(offloaded[1][name], grad), name
+
+    (plan,) = backend.plans
+    for graph, op in ((plan.forward.graph, ops.OFFLOAD), (plan.backward.graph, ops.RELOAD)):
+        sizes = [len(n.args[0]) for n in graph.find_nodes(op="call_function", target=op)]
+        assert sum(sizes) == len(plan.moved)
+        assert max(sizes) > 1, f"every {op} moves one storage"
