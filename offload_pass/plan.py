@@ -8,6 +8,7 @@ from collections.abc import Mapping
 import torch.fx
 
 from offload_pass.costs import ChunkCosts
+from offload_pass.ops import OFFLOAD, RELOAD
 from offload_pass.planner import ChunkPlan, Decision
 from offload_pass.profiles import DeviceProfile
 from offload_pass.report import format_plan
@@ -51,6 +52,16 @@ class Plan:
     @property
     def bytes_moved(self) -> int:
         return sum(d.group.nbytes for d in self.moved)
+
+    @property
+    def offload_ops(self) -> int:
+        """Offload ops in the rewritten forward; each moves one bucket of storages."""
+        return sum(1 for n in self.forward.graph.nodes if n.target is OFFLOAD)
+
+    @property
+    def reload_ops(self) -> int:
+        """Reload ops in the rewritten backward; each moves one bucket of storages."""
+        return sum(1 for n in self.backward.graph.nodes if n.target is RELOAD)
 
     @property
     def bytes_saved_for_backward(self) -> int:

@@ -118,10 +118,11 @@ def why_nothing_moved(plan: Plan) -> str | None:
 
 def summary(plan: Plan) -> str:
     p = plan.prediction
+    ops = f", by {plan.offload_ops} offload and {plan.reload_ops} reload ops" if plan.moved else ""
     lines = [
         f"offload plan for {plan.chunk} ({plan.profile.name}): {len(plan.moved)} of "
         f"{len(plan.decisions)} saved storages moved, {format_bytes(plan.bytes_moved)} of "
-        f"{format_bytes(plan.bytes_saved_for_backward)}",
+        f"{format_bytes(plan.bytes_saved_for_backward)}{ops}",
         f"predicted peak {format_bytes(p.baseline_peak_bytes)} -> {format_bytes(p.peak_bytes)}; "
         f"step {format_seconds(p.baseline_seconds)} -> {format_seconds(p.step_seconds)} "
         f"(stall {format_seconds(p.stall_seconds)}, "

@@ -35,6 +35,8 @@ def test_report_rows_and_totals_match_the_plan(explained):
     text = str(explained)
     assert report.format_bytes(plan.bytes_moved) in text
     assert "predicted peak" in text and "model: 1 chunks" in text
+    assert 0 < plan.offload_ops <= len(moved_rows) and 0 < plan.reload_ops <= len(moved_rows)
+    assert f"by {plan.offload_ops} offload and {plan.reload_ops} reload ops" in text
 
 
 def test_every_reason_is_a_documented_one(explained):
