@@ -6,9 +6,10 @@ storages, and moved one by one they took four ops each. One op moving several st
 copies them one after another on its stream, as that many ops issued at its point
 would; what changes is when each copy starts and how long each storage is held.
 
-- Forward: a run of storages in production order, each produced before the run's first
-  would be freed, is copied by one offload after its last producer and waited for once,
-  where the last of their waits was. Earlier members stay on the device until then.
+- Forward: a run of storages in production order is copied by one offload after its
+  last producer and waited for once, where the last of their waits was; earlier members
+  stay on the device until then. A storage joins where the run's copies, issued
+  together, still end before that wait (priced as the planner places waits).
 - Backward: a run of storages in need order, each reloaded (as planned alone) before the
   run's first need, is reloaded by one op and waited for once, before that need. The op
   is placed as the planner places a reload, the run taken as one storage of all its
@@ -29,7 +30,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from offload_pass.costs import ChunkCosts
-from offload_pass.planner import ChunkPlan, reload_positions
+from offload_pass.planner import OFFLOAD_MARGIN, ChunkPlan, reload_positions
 from offload_pass.simulate import MemoryTimeline, Prediction, Transfer, simulate
 
 Hold = tuple[int, int, int]
@@ -57,9 +58,23 @@ def _runs(
     return runs
 
 
-def _forward_runs(transfers: Sequence[Transfer], memory: MemoryTimeline) -> list[list[Transfer]]:
+def _forward_runs(
+    planned: ChunkPlan, costs: ChunkCosts, memory: MemoryTimeline
+) -> list[list[Transfer]]:
+    copies = {c.root: c for c in planned.prediction.copies}
+    starts = planned.prediction.forward_starts
+    ends = [s + d for s, d in zip(starts, costs.forward_seconds, strict=True)]
+
     def joins(run: list[Transfer], t: Transfer) -> bool:
-        return t.offload_at <= min(r.wait_at for r in run)
+        """Whether the run's copies, issued together after ``t`` is made, still end
+        (priced as the planner places waits) before the run's last wait. Where copies
+        cannot overlap compute, each costs the same wherever it is issued."""
+        if not costs.profile.copies_overlap_compute:
+            return True
+        members = [*run, t]
+        start = max(ends[t.offload_at], min(copies[m.root].offload_start for m in members))
+        seconds = sum(costs.offload_seconds(m.nbytes) for m in members)
+        return start + OFFLOAD_MARGIN * seconds <= ends[max(m.wait_at for m in members)]
 
     def holds(run: list[Transfer], t: Transfer) -> list[Hold]:
         """Each member now freed at the run's last wait, after where it was freed."""
@@ -68,7 +83,8 @@ def _forward_runs(transfers: Sequence[Transfer], memory: MemoryTimeline) -> list
         extended = [(was + 1, now + 1, r.nbytes) for r in run]
         return [*extended, (t.wait_at + 1, now + 1, t.nbytes)]
 
-    return _runs(sorted(transfers, key=lambda t: t.offload_at), joins, holds, memory)
+    ordered = sorted(planned.transfers, key=lambda t: t.offload_at)
+    return _runs(ordered, joins, holds, memory)
 
 
 def _backward_runs(transfers: Sequence[Transfer]) -> list[list[Transfer]]:
@@ -157,7 +173,7 @@ def bucket_transfers(
     the prediction is no worse (see above), and that prediction; else ``planned``."""
     transfers = planned.transfers
     memory = MemoryTimeline(costs, transfers, in_flight)
-    forward = _together(_forward_runs(transfers, memory), _FORWARD)
+    forward = _together(_forward_runs(planned, costs, memory), _FORWARD)
     forward_only = tuple(dataclasses.replace(t, **forward[t.root]) for t in transfers)
     runs = _backward_runs(transfers)
     backward = _reloads_that_fit(runs, _reloads_placed(runs, planned, costs), memory)

@@ -21,34 +21,37 @@ def _positions(planned) -> dict[str, tuple[int, int, int, int]]:
     return {t.root: (t.offload_at, t.wait_at, t.reload_at, t.need_at) for t in planned.transfers}
 
 
-def test_storages_made_before_the_first_is_freed_share_one_op_each_way():
-    # Eight 0.1 MB copies (0.1 ms each) beside an 8 MB activation that stays: a1 is made
-    # before a0 is freed (at node 1), so one op copies both after node 1 and one wait
-    # follows node 2, where a1's was. Backward reloads each pair once, before the first
-    # need of the two, as the planner places one reload of 0.2 MB. The step and the
-    # peak (the 8 MB activation's) stay as they were.
+def test_storages_whose_copies_still_end_in_time_share_one_op_each_way():
+    # Eight 0.1 MB copies (0.1 ms each) beside an 8 MB activation that stays. Issued
+    # together after node 7, all eight end 0.8 ms later, before node 8 ends, where a7's
+    # wait was: one offload and one wait move them, and the 8 MB activation still makes
+    # the peak. Backward reloads each pair once, before the first need of the two, as the
+    # planner places one reload of 0.2 MB. The step and the peak stay as they were.
     small = [group(i, MB // 10) for i in range(8)]
     stays = group(9, 8 * MB)
     costs = chunk([*small, stays])
     shares = {g.root: ("", 1.0) for g in small} | {stays.root: ("", 0.0)}
     planned = plan_offloads([*small, stays], costs, Request(shares, 0, 0.0, None))
     assert _positions(planned)["a0"] == (0, 1, 9, 10)
-    assert _positions(planned)["a1"] == (1, 2, 8, 9)
+    assert _positions(planned)["a7"] == (7, 8, 2, 3)
 
     bucketed = bucket_transfers(planned, costs, stall_tolerance=0.0)
-    pairs = [(1, 2, 8, 9), (3, 4, 6, 7), (5, 6, 4, 5), (7, 8, 2, 3)]
-    assert _positions(bucketed) == {f"a{i}": pairs[i // 2] for i in range(8)}
+    pairs = [(8, 9), (6, 7), (4, 5), (2, 3)]
+    assert _positions(bucketed) == {f"a{i}": (7, 8, *pairs[i // 2]) for i in range(8)}
     assert bucketed.prediction.step_seconds == planned.prediction.step_seconds
     assert bucketed.prediction.peak_bytes == planned.prediction.peak_bytes
     assert bucketed.decisions == planned.decisions
 
 
-def test_a_bucket_that_would_make_compute_wait_is_not_made():
-    # a0's 8 ms copy only just finishes in forward; copied together with a1 and a2 after
-    # node 2, it would end after forward, and forward would wait for it.
+def test_a_copy_that_would_end_late_in_a_bucket_keeps_its_own_op():
+    # a0's 8 ms copy only just finishes in forward: copied with a1 after node 1, it would
+    # end after forward, and forward would wait for it. a1 and a2 can share one.
     groups = [group(0, 8 * MB), group(1, MB // 10), group(2, MB // 10)]
     planned = plan(groups, share=1.0)
-    assert bucket_transfers(planned, chunk(groups), stall_tolerance=0.0) is planned
+    bucketed = bucket_transfers(planned, chunk(groups), stall_tolerance=0.0)
+    forward = {root: p[:2] for root, p in _positions(bucketed).items()}
+    assert forward == {"a0": (0, 9), "a1": (2, 9), "a2": (2, 9)}
+    assert bucketed.prediction.step_seconds == planned.prediction.step_seconds
 
 
 def test_a_storage_held_longer_must_leave_the_peak_where_it_is():
@@ -58,7 +61,7 @@ def test_a_storage_held_longer_must_leave_the_peak_where_it_is():
     groups = [group(i, MB // 10) for i in range(8)]
     planned = plan(groups, share=1.0)
     costs = chunk(groups)
-    runs = _forward_runs(planned.transfers, MemoryTimeline(costs, planned.transfers))
+    runs = _forward_runs(planned, costs, MemoryTimeline(costs, planned.transfers))
     assert [[t.root for t in run] for run in runs] == [
         ["a0"],
         ["a1"],
