@@ -34,6 +34,8 @@ class Measurement:
     predicted_peak_bytes: int | None = None
     predicted_peak_saved_bytes: int | None = None
     moved_names: tuple[str, ...] = ()
+    transfer_ops: int | None = None
+    """Offload and reload ops a step issues (each moves a bucket of storages)."""
 
     @property
     def ok(self) -> bool:
@@ -102,6 +104,7 @@ def _predictions(shared: dict[str, Any]) -> dict[str, Any]:
         "predicted_peak_saved_bytes": max(p.prediction.baseline_peak_bytes for p in plans)
         - max(p.prediction.peak_bytes for p in plans),
         "moved_names": tuple(d.group.root for p in plans for d in p.moved),
+        "transfer_ops": sum(p.offload_ops + p.reload_ops for p in plans),
     }
 
 

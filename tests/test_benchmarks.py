@@ -30,6 +30,8 @@ def test_harness_runs_on_a_tiny_model_and_writes_its_results(tmp_path):
     assert rows["offload_pass fraction 0.5"]["status"] == "ok"
     assert rows["offload_pass fraction 0.5"]["predicted_step_ms"] > 0
     assert rows["offload_pass fraction 0.5"]["bytes_moved"] is not None  # counted for ours
+    moved_any = rows["offload_pass fraction 0.5"]["bytes_moved"] > 0
+    assert (rows["offload_pass fraction 0.5"]["transfer_ops"] > 0) == moved_any
     assert rows["checkpoint blocks"]["bytes_moved"] is None  # not measured for peers
     assert rows["save_on_cpu"]["status"] == "needs a CUDA device"
     (written,) = tmp_path.glob("*.json")
@@ -119,7 +121,9 @@ def test_op_overhead_times_each_transfer_op():
     rows = dict(op_overhead.measure(torch.device("cpu"), calls=3))
     assert list(rows)[:2] == ["offload and offload_wait", "reload and reload_wait"]
     assert rows["all four, per storage moved"] == sum(list(rows.values())[:2])
-    assert runtime.counts().offloads == before.offloads + 7  # one to reload, 2 x 3 timed
+    assert "all four, per storage, 8 a bucket" in rows
+    # one to reload and 2 x 3 timed, alone, then as many in buckets of 8
+    assert runtime.counts().offloads == before.offloads + 7 + 7 * 8
     assert runtime.counts().pending_offloads == before.pending_offloads
 
 
