@@ -17,10 +17,10 @@ would; what changes is when each copy starts and how long each storage is held.
 
 A storage joins a forward run only where what it holds longer leaves the predicted peak
 where it is (``MemoryTimeline.fits``), and a backward run is kept only where what its
-storages hold earlier does. The buckets are kept where the simulated step is no slower than
-the plan's without them, or within the stall tolerance of the step with nothing moved;
-else the forward's alone, else none. The host's time is still priced
-per storage: what a storage adds to an op that moves others has not been measured apart
+storages hold earlier does. The buckets are kept where the simulated step is no slower
+than the plan's without them, or within the stall tolerance of the step with nothing
+moved; else the forward's alone, else none. The host's time is still priced per
+storage: what a storage adds to an op that moves others has not been measured apart
 from what an op of its own costs.
 """
 
