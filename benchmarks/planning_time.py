@@ -1,5 +1,5 @@
 """How long the pass takes as graphs grow, stage by stage (order, analyse, costs, plan,
-rewrite: everything it adds before the compiler's own work), on the partitioned graphs
+bucket, rewrite: everything it adds before the compiler's own work), on the partitioned graphs
 of decoder stacks of increasing depth (traced on the CPU, planned with the H200 profile),
 timed inside the partitioner of a real compile, as the backend runs them.
 

@@ -16,7 +16,7 @@ would; what changes is when each copy starts and how long each storage is held.
   bytes: members needed later arrive on the device earlier.
 
 A storage joins a forward run only where what it holds longer leaves the predicted peak
-where it is (``MemoryTimeline.fits``), and a backward run is kept only where what its
+where it is (``MemoryTimeline.hold_if_fits``), and a backward run is kept only where what its
 storages hold earlier does. The buckets are kept where the simulated step is no slower
 than the plan's without them, or within the stall tolerance of the step with nothing
 moved; else the forward's alone, else none. The host's time is still priced per
@@ -31,10 +31,7 @@ from collections.abc import Callable, Sequence
 
 from offload_pass.costs import ChunkCosts
 from offload_pass.planner import OFFLOAD_MARGIN, ChunkPlan, reload_positions
-from offload_pass.simulate import MemoryTimeline, Prediction, Transfer, simulate
-
-Hold = tuple[int, int, int]
-"""Positions ``[start, stop)`` over which ``nbytes`` more are held: (start, stop, nbytes)."""
+from offload_pass.simulate import Hold, MemoryTimeline, Prediction, Transfer, simulate
 
 
 def _runs(
@@ -48,13 +45,10 @@ def _runs(
     runs: list[list[Transfer]] = []
     for t in ordered:
         run = runs[-1] if runs else []
-        if run and joins(run, t):
-            held = holds(run, t)
-            if memory.fits(held):
-                memory.hold(held)
-                run.append(t)
-                continue
-        runs.append([t])
+        if run and joins(run, t) and memory.hold_if_fits(holds(run, t)):
+            run.append(t)
+        else:
+            runs.append([t])
     return runs
 
 
@@ -136,9 +130,7 @@ def _reloads_that_fit(
             for t in run
             if placed[t.root]["reload_at"] < t.reload_at
         ]
-        fits = memory.fits(held)
-        if fits:
-            memory.hold(held)
+        fits = memory.hold_if_fits(held)
         for t in run:
             alone = {"reload_at": t.reload_at, "need_at": t.need_at}
             kept[t.root] = placed[t.root] if fits else alone

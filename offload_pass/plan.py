@@ -23,7 +23,7 @@ class Plan:
     lowers them; ``print(plan.forward.code)`` shows every offload, wait and reload.
     ``print(plan)`` shows the report (see :mod:`offload_pass.report`).
     ``stage_seconds``: what each stage of the pass took on this chunk (order, analyse,
-    costs, plan, rewrite), the compile time the pass adds before the compiler's own.
+    costs, plan, bucket, rewrite), the compile time the pass adds before the compiler's own.
     """
 
     chunk: str

@@ -190,6 +190,11 @@ def _by(transfers: Sequence[Transfer], key: str) -> dict[int, list[Transfer]]:
     return buckets
 
 
+Hold = tuple[int, int, int]
+"""Positions ``[start, stop)`` (forward's, then backward's after them) over which
+``nbytes`` more are held: (start, stop, nbytes)."""
+
+
 class MemoryTimeline:
     """Bytes live at each position of one step under a set of transfers; it answers what
     the peak would be with one of them kept on the device instead, without building the
@@ -237,24 +242,18 @@ class MemoryTimeline:
         self.top = max(self.top, max(self.live[away], default=0))
         self.held_between += t.nbytes
 
-    def _extra(self, holds: Sequence[tuple[int, int, int]]) -> dict[int, int]:
+    def hold_if_fits(self, holds: Sequence[Hold]) -> bool:
+        """Count each hold's bytes as held over its positions, and say so, where that
+        leaves the top where it is; else change nothing and say not."""
         extra: dict[int, int] = defaultdict(int)
         for start, stop, nbytes in holds:
             for position in range(start, stop):
                 extra[position] += nbytes
-        return extra
-
-    def fits(self, holds: Sequence[tuple[int, int, int]]) -> bool:
-        """Whether holding ``nbytes`` more over each span ``[start, stop)`` of positions
-        (forward's, then backward's after them) leaves the top where it is."""
-        extra = self._extra(holds)
-        return all(self.live[p] + b <= self.top for p, b in extra.items())
-
-    def hold(self, holds: Sequence[tuple[int, int, int]]) -> None:
-        """Count ``nbytes`` more as held over each span (as ``fits`` takes them)."""
-        for p, b in self._extra(holds).items():
+        if any(self.live[p] + b > self.top for p, b in extra.items()):
+            return False
+        for p, b in extra.items():
             self.live[p] += b
-            self.top = max(self.top, self.live[p])
+        return True
 
 
 def peak_bytes(costs: ChunkCosts, transfers: Sequence[Transfer], in_flight: int = 1) -> int:
