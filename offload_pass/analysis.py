@@ -31,6 +31,7 @@ NON_DENSE = "non-dense layout"
 NOT_REPLAYABLE = "view not replayable"
 NO_SIZE_HINT = "unknown size"
 EMPTY = "empty"
+SCALAR = "scalar"
 UNSUPPORTED_DEVICE = "unsupported device"
 NOT_IN_BACKWARD = "not a backward input"
 
@@ -89,6 +90,10 @@ def _fixed_reason(
         return NO_SIZE_HINT
     if numel == 0:
         return EMPTY
+    if value.dim() == 0:
+        # Some kernels return their scalars on the host whatever the traced device says
+        # (CUDA attention's RNG seed and offset), and a scalar frees nothing worth a copy.
+        return SCALAR
     if not is_dense(value):
         return NON_DENSE
     sources = SymbolSources.of(size_inputs, value)

@@ -33,6 +33,7 @@ REASONS: dict[str, str] = {
     analysis.NOT_REPLAYABLE: "a view on it takes symbolic arguments",
     analysis.NO_SIZE_HINT: "its size has no hint",
     analysis.EMPTY: "zero elements",
+    analysis.SCALAR: "a 0-dim tensor: kernels may keep it on the host, and it frees nothing",
     analysis.UNSUPPORTED_DEVICE: "neither CUDA nor CPU",
     analysis.NOT_IN_BACKWARD: "backward does not read it",
 }

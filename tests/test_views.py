@@ -7,7 +7,7 @@ import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import offload_pass
-from offload_pass import ops
+from offload_pass import analysis, ops
 from offload_pass.analysis import find_saved_groups
 from offload_pass.driver import offload_chunk
 from offload_pass.graphs import ChunkGraphs
@@ -75,3 +75,28 @@ def test_storage_crosses_once_and_views_share_one_storage_after_reload():
             storages.add(value.untyped_storage().data_ptr())
     assert views
     assert storages == {interpreter.env[loaded].untyped_storage().data_ptr()}
+
+
+def _forward_with_scalar(x, w):
+    y = torch.mm(x, w)
+    return y.sum(), y, y.amax()
+
+
+def _backward_with_scalar(y, peak, tangent):
+    return (y / peak * tangent,)
+
+
+def test_a_saved_scalar_never_moves():
+    """CUDA attention returns its RNG seed on the host though the trace says the device;
+    a 0-dim storage stays where it is, with its reason."""
+    x, w = torch.randn(6, 4), torch.randn(4, 8)
+    forward = make_fx(_forward_with_scalar, tracing_mode="fake")(x, w)
+    saved = list(forward.graph.output_node().args[0][1:])
+    y, peak = _forward_with_scalar(x, w)[1:]
+    backward = make_fx(_backward_with_scalar, tracing_mode="fake")(y, peak, torch.tensor(1.0))
+    for placeholder, node in zip(backward.graph.find_nodes(op="placeholder"), saved, strict=False):
+        placeholder.name = placeholder.target = node.name
+    backward.recompile()
+    groups = find_saved_groups(ChunkGraphs(forward, backward, num_forward_outputs=1))
+    reasons = {g.op: g.fixed_reason for g in groups}
+    assert reasons == {"aten.mm.default": None, "aten.amax.default": analysis.SCALAR}
