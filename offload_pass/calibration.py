@@ -32,6 +32,8 @@ COPY_BYTES = 256 * 2**20
 MATMUL_SIZE = 8192
 REPEATS = 5
 HOST_CALLS = 200
+HOST_BUCKET = 8
+"""Storages per op where the host time a further storage adds is measured."""
 
 
 def _seconds(work: Callable[[], None], align: Callable[[], None] = lambda: None) -> float:
@@ -141,6 +143,32 @@ def transfer_host_seconds(
     return seconds
 
 
+@dataclasses.dataclass(frozen=True)
+class BucketedHostSeconds:
+    """Host seconds of an offload and a reload pair moving one storage (``alone``), and
+    what each further storage adds to such a pair (``added``)."""
+
+    alone: TransferHostSeconds
+    added: TransferHostSeconds
+
+
+def bucketed_host_seconds(
+    device: torch.device, calls: int = HOST_CALLS, bucket: int = HOST_BUCKET
+) -> BucketedHostSeconds:
+    """Ops moving one storage against ops moving ``bucket``: a pair of ops costs the
+    host a fixed part and a part per storage, and the two timings give both."""
+    alone = transfer_host_seconds(device, calls)
+    full = transfer_host_seconds(device, calls, per_op=bucket)
+
+    def added(one: float, per_storage: float) -> float:
+        return max(0.0, (bucket * per_storage - one) / (bucket - 1))
+
+    return BucketedHostSeconds(
+        alone,
+        TransferHostSeconds(added(alone.offload, full.offload), added(alone.reload, full.reload)),
+    )
+
+
 @functools.cache
 def calibrate(device_index: int) -> DeviceProfile:
     """Measure ``cuda:device_index`` (a few seconds; cached for the process)."""
@@ -152,7 +180,7 @@ def calibrate(device_index: int) -> DeviceProfile:
         memory = 2 * COPY_BYTES / _seconds(lambda: other.copy_(on_device))
         bf16 = _matmul_rate(device, torch.bfloat16, MATMUL_SIZE)
         fp32 = _matmul_rate(device, torch.float32, MATMUL_SIZE // 2)
-        host = transfer_host_seconds(device)
+        host = bucketed_host_seconds(device)
     name = f"calibrated {torch.cuda.get_device_name(device)}"
     return DeviceProfile(
         name,
@@ -163,8 +191,10 @@ def calibrate(device_index: int) -> DeviceProfile:
         copies.host_to_device,
         copies.both_directions,
         kernel_launch_seconds=CUDA_HOST["kernel_launch_seconds"],
-        offload_host_seconds=host.offload,
-        reload_host_seconds=host.reload,
+        offload_host_seconds=host.alone.offload,
+        reload_host_seconds=host.alone.reload,
+        bucketed_offload_host_seconds=host.added.offload,
+        bucketed_reload_host_seconds=host.added.reload,
     )
 
 

@@ -30,11 +30,13 @@ class DeviceProfile:
     offloads run in forward and its reloads in backward, never at once.
 
     Host costs, in seconds: what the host spends issuing one kernel of compiled code
-    (``kernel_launch_seconds``), one offload with its wait (``offload_host_seconds``) and
-    one reload with its wait (``reload_host_seconds``). A kernel cannot start before the
-    host has issued it, so where kernels are short the step is the host's, and every
-    transfer op lengthens it. Zero where the host is the device (CPU): there, the host's
-    time is the compute time already.
+    (``kernel_launch_seconds``), an offload with its wait moving one storage
+    (``offload_host_seconds``), a reload with its wait moving one
+    (``reload_host_seconds``), and what each further storage adds to one such pair of ops
+    (``bucketed_offload_host_seconds``, ``bucketed_reload_host_seconds``). A kernel cannot
+    start before the host has issued it, so where kernels are short the step is the
+    host's, and every transfer op lengthens it. Zero where the host is the device (CPU):
+    there, the host's time is the compute time already.
     """
 
     name: str
@@ -48,6 +50,8 @@ class DeviceProfile:
     kernel_launch_seconds: float = 0.0
     offload_host_seconds: float = 0.0
     reload_host_seconds: float = 0.0
+    bucketed_offload_host_seconds: float = 0.0
+    bucketed_reload_host_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -65,7 +69,15 @@ class DeviceProfile:
         return self.fp32_flops if dtype in (torch.float32, torch.float64) else self.matmul_flops
 
 
-_HOST_COSTS = frozenset({"kernel_launch_seconds", "offload_host_seconds", "reload_host_seconds"})
+_HOST_COSTS = frozenset(
+    {
+        "kernel_launch_seconds",
+        "offload_host_seconds",
+        "reload_host_seconds",
+        "bucketed_offload_host_seconds",
+        "bucketed_reload_host_seconds",
+    }
+)
 
 GB = 1e9
 TFLOPS = 1e12

@@ -190,6 +190,21 @@ def _by(transfers: Sequence[Transfer], key: str) -> dict[int, list[Transfer]]:
     return buckets
 
 
+def _op_host_seconds(
+    issued: Sequence[Transfer], partner: str, alone: float, added: float
+) -> list[float]:
+    """What each of ``issued`` (transfers issued at one position) costs the host. Those
+    that also share their ``partner`` position are one op, as the rewrite joins them:
+    its first storage costs ``alone``, each further one ``added``."""
+    seen: set[int] = set()
+    seconds = []
+    for t in issued:
+        position = getattr(t, partner)
+        seconds.append(added if position in seen else alone)
+        seen.add(position)
+    return seconds
+
+
 Hold = tuple[int, int, int]
 """Positions ``[start, stop)`` (forward's, then backward's after them) over which
 ``nbytes`` more are held: (start, stop, nbytes)."""
@@ -282,10 +297,14 @@ def _run(costs: ChunkCosts, transfers: Sequence[Transfer]) -> _Timeline:
     forward = zip(costs.forward_seconds, costs.forward_launches, strict=True)
     for i, (seconds, launches) in enumerate(forward):
         forward_starts.append(streams.run(seconds, launches))
-        for t in offloads.get(i, ()):
+        issued = offloads.get(i, [])
+        hosts = _op_host_seconds(
+            issued, "wait_at", profile.offload_host_seconds, profile.bucketed_offload_host_seconds
+        )
+        for t, host_seconds in zip(issued, hosts, strict=True):
             c = copies[t.root]
             c.offload_start, c.offload_end = streams.issue(
-                device_to_host, 0.0, costs.offload_seconds(t.nbytes), profile.offload_host_seconds
+                device_to_host, 0.0, costs.offload_seconds(t.nbytes), host_seconds
             )
         for t in waits.get(i, ()):
             copies[t.root].stall += streams.wait_for(copies[t.root].offload_end)
@@ -295,13 +314,14 @@ def _run(costs: ChunkCosts, transfers: Sequence[Transfer]) -> _Timeline:
     backward_starts = []
     backward = zip(costs.backward_seconds, costs.backward_launches, strict=True)
     for j, (seconds, launches) in enumerate(backward):
-        for t in sorted(reloads.get(j, ()), key=lambda t: t.need_at):
+        issued = sorted(reloads.get(j, ()), key=lambda t: t.need_at)
+        hosts = _op_host_seconds(
+            issued, "need_at", profile.reload_host_seconds, profile.bucketed_reload_host_seconds
+        )
+        for t, host_seconds in zip(issued, hosts, strict=True):
             c = copies[t.root]
             c.reload_start, c.reload_end = streams.issue(
-                host_to_device,
-                c.offload_end,
-                costs.reload_seconds(t.nbytes),
-                profile.reload_host_seconds,
+                host_to_device, c.offload_end, costs.reload_seconds(t.nbytes), host_seconds
             )
         for t in needs.get(j, ()):
             copies[t.root].stall += streams.wait_for(copies[t.root].reload_end)

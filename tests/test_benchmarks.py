@@ -121,6 +121,7 @@ def test_op_overhead_times_each_transfer_op():
     rows = dict(op_overhead.measure(torch.device("cpu"), calls=3))
     assert list(rows)[:2] == ["offload and offload_wait", "reload and reload_wait"]
     assert rows["all four, per storage moved"] == sum(list(rows.values())[:2])
+    assert {"a further storage in one offload", "a further storage in one reload"} <= set(rows)
     assert "all four, per storage, 8 a bucket" in rows
     # one to reload and 2 x 3 timed, alone, then as many in buckets of 8
     assert runtime.counts().offloads == before.offloads + 7 + 7 * 8

@@ -36,9 +36,10 @@ def _reload_after_stalled_offload() -> tuple[bool, bool]:
     copy streams' own ordering is what is checked."""
     a = torch.randn(64 * 2**20, device="cuda")  # 256 MiB, fresh values every call
     b = torch.randn(8, 2**20, device="cuda", dtype=torch.bfloat16).t()
-    torch.cuda.synchronize()
-    _stall(runtime.copy_streams(a.device).device_to_host)
     layouts = [0, 1, 0]
+    ops.offload_wait(ops.offload([a, b], layouts), [a, b], layouts, [])  # pins the buffers
+    torch.cuda.synchronize()  # so that pinning host memory does not outlast the stall
+    _stall(runtime.copy_streams(a.device).device_to_host)
     ticket = ops.offload([a, b], layouts)
     hosts = runtime._pending_offloads[int(ticket)].buffers
     reloading = ops.reload(hosts[::-1], a.device, [])
@@ -279,10 +280,15 @@ def test_calibration_measures_this_device_near_its_built_in_profile():
     built_in = built_in_for_name(torch.cuda.get_device_name())
     if built_in is None:
         pytest.skip("no built-in profile to compare with")
-    fields = ("matmul_flops", "memory_bandwidth", "device_to_host", "host_to_device")
-    for field in (*fields, "offload_host_seconds", "reload_host_seconds"):
+    for field in ("matmul_flops", "memory_bandwidth", "device_to_host", "host_to_device"):
         ratio = getattr(measured, field) / getattr(built_in, field)
         assert 0.5 < ratio < 2.0, (field, getattr(measured, field), getattr(built_in, field))
+    # Host times depend on the host CPU, not the GPU: hosts of one machine kind have
+    # measured them up to twice apart (docs/gpu-validation.md, runs 31 and 35).
+    host = ("offload", "reload", "bucketed_offload", "bucketed_reload")
+    for field in (f"{name}_host_seconds" for name in host):
+        ratio = getattr(measured, field) / getattr(built_in, field)
+        assert 0.25 < ratio < 4.0, (field, getattr(measured, field), getattr(built_in, field))
 
 
 @pytest.mark.parametrize("options", [{}, {"memory_budget": 0.8}], ids=["auto", "budget"])

@@ -27,7 +27,7 @@ from offload_pass.planner import (
     plan_offloads,
 )
 from offload_pass.profiles import DeviceProfile
-from offload_pass.simulate import MemoryTimeline, peak_bytes, simulate
+from offload_pass.simulate import MemoryTimeline, Transfer, peak_bytes, simulate
 
 MS = 1e-3
 MB = 10**6
@@ -204,6 +204,19 @@ def test_auto_keeps_the_largest_storages_when_the_host_limits_how_many_move():
     result = plan(groups, tolerance=0.3, profile=HOST_BOUND)
     assert reasons(result) == {"a0": MOVED, "a1": MOVED, "a2": SLOWS_THE_STEP}
     assert result.prediction.step_seconds <= 1.3 * result.prediction.baseline_seconds
+
+
+def test_storages_moved_by_one_op_cost_the_host_less_than_ops_of_their_own():
+    # a0 and a1 both offload after node 1 and wait there, and reload before node 10 for
+    # node 12: one op each way, 3 ms for the first storage and 1 ms for the second
+    bucketed = dataclasses.replace(
+        HOST_BOUND, bucketed_offload_host_seconds=1 * MS, bucketed_reload_host_seconds=1 * MS
+    )
+    costs = chunk([group(0, MB), group(1, MB)], bucketed)
+    joined = [Transfer(f"a{i}", MB, 1, 1, 10, 12) for i in (0, 1)]
+    apart = [Transfer("a0", MB, 1, 1, 10, 12), Transfer("a1", MB, 1, 2, 10, 13)]
+    assert simulate(costs, joined).step_seconds == pytest.approx((41 + 4 + 4) * MS)
+    assert simulate(costs, apart).step_seconds == pytest.approx((41 + 6 + 6) * MS)
 
 
 def test_host_time_hidden_behind_the_device_costs_nothing():
