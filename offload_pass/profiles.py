@@ -9,7 +9,7 @@ conservative shares of the vendor figures. ``calibrate`` measures the device act
 present.
 
 The host costs are those of the H200 machine's host (``python -m benchmarks.op_overhead
---device cuda``, docs/gpu-validation.md, run 31): they depend on the host CPU and on
+--device cuda``, docs/gpu-validation.md, run 37): they depend on the host CPU and on
 Python, not on the GPU, so the other CUDA profiles share them.
 """
 
@@ -83,13 +83,18 @@ GB = 1e9
 TFLOPS = 1e12
 US = 1e-6
 CUDA_HOST = {
-    "kernel_launch_seconds": 9.7 * US,
-    "offload_host_seconds": 93.9 * US,
-    "reload_host_seconds": 72.9 * US,
+    "kernel_launch_seconds": 48.1 * US,
+    "offload_host_seconds": 144.3 * US,
+    "reload_host_seconds": 134.5 * US,
+    "bucketed_offload_host_seconds": 22.9 * US,
+    "bucketed_reload_host_seconds": 21.6 * US,
 }
-"""Measured on the H200 machine's host (run 31): per Inductor kernel; an offload with its
-wait; a reload with its wait. Hosts differ: runs 29 to 31 measured one kernel at 9.7 to
-11.5 us, and a clone, for scale, at 7.7 to 12.4 us."""
+"""Measured on the H200 machine's host (run 37, ``python -m benchmarks.op_overhead
+--device cuda``): a kernel launch inside a compiled step (a stack twice as deep against
+the same stack; the step's buffer allocations, wrappers and autograd engine spread over
+its launches, 3 times one kernel's cost in a bare chain); an offload with its wait and a
+reload with its wait, each moving one storage; what a further storage adds to each.
+Hosts differ: runs 31 to 37 measured one offload pair at 94 to 165 us."""
 
 BUILT_IN: dict[str, DeviceProfile] = {
     "h200": DeviceProfile(
