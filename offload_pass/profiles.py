@@ -9,7 +9,7 @@ conservative shares of the vendor figures. ``calibrate`` measures the device act
 present.
 
 The host costs are those of the H200 machine's host (``python -m benchmarks.op_overhead
---device cuda``, docs/gpu-validation.md, run 37): they depend on the host CPU and on
+--device cuda``, docs/gpu-validation.md, run 38): they depend on the host CPU and on
 Python, not on the GPU, so the other CUDA profiles share them.
 """
 
@@ -89,7 +89,7 @@ CUDA_HOST = {
     "bucketed_offload_host_seconds": 22.9 * US,
     "bucketed_reload_host_seconds": 21.6 * US,
 }
-"""Measured on the H200 machine's host (run 37, ``python -m benchmarks.op_overhead
+"""Measured on the H200 machine's host (run 38, ``python -m benchmarks.op_overhead
 --device cuda``): a kernel launch inside a compiled step (a stack twice as deep against
 the same stack; the step's buffer allocations, wrappers and autograd engine spread over
 its launches, 3 times one kernel's cost in a bare chain); an offload with its wait and a
