@@ -10,6 +10,8 @@
 #   finetune    the fine-tuning example (examples/finetune_hf.py; $FINETUNE_ARGS are passed,
 #               shell quoting kept: FINETUNE_ARGS='--configs none auto "budget 0.7"')
 #   breakdown   what is alive at the measured peak of W2's auto and three W1 configurations
+#   cuda-graphs mode="reduce-overhead" with offloading: gradients, 200 replays of GPT-2
+#               (benchmarks/reduce_overhead.py)
 # With no argument every step but zoo-bench runs; `--only STEP [STEP ...]`
 # runs those alone. Logs and results go to $OUT (or ./out); the exit status is pytest's.
 set -o pipefail
@@ -56,9 +58,12 @@ for step in "${steps[@]}"; do
             "memory_budget 0.7" "offload_pass auto, recompute 0.7" 2>&1 \
             | tee -a "$out/peak_breakdown.log"
         ;;
+    cuda-graphs)
+        python -m benchmarks.reduce_overhead 2>&1 | tee "$out/reduce_overhead.log"
+        ;;
     *)
         echo "unknown step $step (compare, cuda-tests, zoo, zoo-bench, example, overhead," \
-            "finetune, breakdown)" >&2
+            "finetune, breakdown, cuda-graphs)" >&2
         exit 2
         ;;
     esac

@@ -263,3 +263,20 @@ def test_zoo_harness_runs_a_tiny_model_on_the_cpu(tmp_path):
         assert all(r["status"] == "ok" for r in workload["rows"])
     (written,) = tmp_path.glob("*-zoo.json")
     assert json.loads(written.read_text())["workloads"].keys() == results["workloads"].keys()
+
+
+def test_reduce_overhead_refuses_to_run_without_cuda(monkeypatch, capsys):
+    import pytest
+    import torch
+
+    from benchmarks import reduce_overhead
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("sys.argv", ["reduce_overhead", "--replays", "20"])
+    with pytest.raises(SystemExit):
+        reduce_overhead.main()
+    assert "CUDA graphs need a CUDA device" in capsys.readouterr().err
+    monkeypatch.setattr("sys.argv", ["reduce_overhead", "--replays", "5"])
+    with pytest.raises(SystemExit):
+        reduce_overhead.main()
+    assert "--replays must be above 10, got 5" in capsys.readouterr().err
