@@ -23,11 +23,11 @@ def _backward(left, right, tangent):
     return (left.sum(dim=1, keepdim=True) * right[0] * tangent,)
 
 
-def _chunk(x, w) -> ChunkGraphs:
-    forward = make_fx(_forward, tracing_mode="fake")(x, w)
+def _chunk(x, w, forward_fn=_forward, backward_fn=_backward) -> ChunkGraphs:
+    """One chunk whose forward returns a loss and the values ``backward_fn`` reads."""
+    forward = make_fx(forward_fn, tracing_mode="fake")(x, w)
     saved = list(forward.graph.output_node().args[0][1:])
-    left, right = _forward(x, w)[1:]
-    backward = make_fx(_backward, tracing_mode="fake")(left, right, torch.tensor(1.0))
+    backward = make_fx(backward_fn, tracing_mode="fake")(*forward_fn(x, w)[1:], torch.tensor(1.0))
     for placeholder, node in zip(backward.graph.find_nodes(op="placeholder"), saved, strict=False):
         placeholder.name = placeholder.target = node.name
     backward.recompile()
@@ -90,13 +90,6 @@ def test_a_saved_scalar_never_moves():
     """CUDA attention returns its RNG seed on the host though the trace says the device;
     a 0-dim storage stays where it is, with its reason."""
     x, w = torch.randn(6, 4), torch.randn(4, 8)
-    forward = make_fx(_forward_with_scalar, tracing_mode="fake")(x, w)
-    saved = list(forward.graph.output_node().args[0][1:])
-    y, peak = _forward_with_scalar(x, w)[1:]
-    backward = make_fx(_backward_with_scalar, tracing_mode="fake")(y, peak, torch.tensor(1.0))
-    for placeholder, node in zip(backward.graph.find_nodes(op="placeholder"), saved, strict=False):
-        placeholder.name = placeholder.target = node.name
-    backward.recompile()
-    groups = find_saved_groups(ChunkGraphs(forward, backward, num_forward_outputs=1))
+    groups = find_saved_groups(_chunk(x, w, _forward_with_scalar, _backward_with_scalar))
     reasons = {g.op: g.fixed_reason for g in groups}
     assert reasons == {"aten.mm.default": None, "aten.amax.default": analysis.SCALAR}
