@@ -127,6 +127,23 @@ def inductor_decompositions() -> dict[Any, Callable[..., Any]]:
     return select_decomp_table()
 
 
+def after_inductor_joint_passes(partition: PartitionFn) -> PartitionFn:
+    """``partition`` after Inductor's joint-graph passes, as Inductor's own compile runs
+    them before its partitioner: they rewrite patterns (a scatter into a constant becomes
+    a pointwise ``where``, say), so the graphs planned are those Inductor compiles."""
+    from torch._inductor import config
+    from torch._inductor.fx_passes.joint_graph import joint_graph_passes
+
+    def partition_after_passes(
+        joint: torch.fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
+    ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+        if config.use_joint_graph_passes:
+            joint = joint_graph_passes(joint)
+        return partition(joint, joint_inputs, **kwargs)
+
+    return partition_after_passes
+
+
 def compile_with_eager(
     gm: torch.fx.GraphModule,
     example_inputs: Sequence[object],

@@ -41,11 +41,15 @@ class _PlanOnly:
         self.backend = backend
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> Callable:
-        """Partition and plan as the chosen compiler would (Inductor decomposes ops first)."""
-        inductor = self.backend.options.compiler == "inductor"
-        decompositions = _compat.inductor_decompositions() if inductor else None
+        """Partition and plan as the chosen compiler would (Inductor decomposes ops and
+        runs its joint-graph passes first)."""
         partitioner = self.backend.partitioner_for(gm)
-        _compat.compile_with_eager(gm, example_inputs, partitioner, decompositions)
+        if self.backend.options.compiler == "inductor":
+            decompositions = _compat.inductor_decompositions()
+            partition = _compat.after_inductor_joint_passes(partitioner)
+            _compat.compile_with_eager(gm, example_inputs, partition, decompositions)
+        else:
+            _compat.compile_with_eager(gm, example_inputs, partitioner)
         return _stand_ins(gm)
 
 

@@ -89,6 +89,22 @@ def aliases(root: torch.fx.Node) -> Iterator[torch.fx.Node]:
 
 
 _FUSIBLE_TAGS = frozenset(_compat.fusible_tags())
+_LOWERED_AS_POINTWISE = frozenset(
+    {
+        torch.ops.aten.gather,
+        torch.ops.aten.embedding,
+        torch.ops.aten.full,
+        torch.ops.aten.arange,
+        torch.ops.prims.iota,
+        torch.ops.aten.constant_pad_nd,
+        torch.ops.aten.slice_scatter,
+        torch.ops.aten.select_scatter,
+    }
+)
+"""Ops without torch's pointwise tag that Inductor lowers as pointwise all the same: each
+element reads one element of an input (indexed gathers, pads) or none (constants). The
+cross-entropy's ``gather`` of the log-softmax is one: that fp32 log-softmax, as large as
+the logits, is never written to memory."""
 
 
 def is_fusible(node: torch.fx.Node) -> bool:
@@ -97,7 +113,11 @@ def is_fusible(node: torch.fx.Node) -> bool:
     target = node.target
     if target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
         return is_fusible(node.args[0])
-    return _compat.is_aten_op(target) and not _FUSIBLE_TAGS.isdisjoint(target.tags)
+    if not _compat.is_aten_op(target):
+        return False
+    return (
+        not _FUSIBLE_TAGS.isdisjoint(target.tags) or target.overloadpacket in _LOWERED_AS_POINTWISE
+    )
 
 
 def _consumers(node: torch.fx.Node) -> list[torch.fx.Node]:

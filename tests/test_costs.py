@@ -134,3 +134,32 @@ def test_a_fused_value_keeps_what_it_is_computed_from_until_its_reader():
     assert not materializes(add)
     assert costs.freed[costs.num_forward + backward.index(add)] == 0
     assert costs.freed[costs.num_forward + backward.index(total_sum)] == 2 * 6 * 8 * 4
+
+
+def _cross_entropy(logits, target):
+    return torch.nn.functional.cross_entropy(logits.float(), target)
+
+
+def test_a_cross_entropy_never_writes_its_log_softmax():
+    """Inductor lowers the gather of the picked log-probabilities as a pointwise read,
+    so the fp32 log-softmax, as large as the logits, is computed inside that kernel."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    logits, target = torch.randn(8, 32, dtype=torch.bfloat16), torch.randint(0, 32, (8,))
+    graph = make_fx(_cross_entropy, select_decomp_table(), tracing_mode="fake")(logits, target)
+    (gather,) = graph.graph.find_nodes(op="call_function", target=torch.ops.aten.gather.default)
+    log_softmax = gather.args[0]
+    assert tuple(log_softmax.meta["val"].shape) == (8, 32)
+    assert not materializes(gather)
+    assert not materializes(log_softmax)
+
+
+def test_constants_and_pads_fuse_into_their_readers():
+    def fill_and_pad(x, w):
+        return (torch.full((6, 8), 2.0) * torch.mm(x, w)).sum(), torch.nn.functional.pad(x, (1, 1))
+
+    forward = make_fx(fill_and_pad, tracing_mode="fake")(torch.randn(6, 4), torch.randn(4, 8))
+    assert not materializes(_node(forward.graph, torch.ops.aten.full.default))
+    assert materializes(_node(forward.graph, torch.ops.aten.constant_pad_nd.default)), (
+        "an output of the graph is written"
+    )

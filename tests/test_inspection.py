@@ -10,6 +10,7 @@ import torch
 import offload_pass
 from offload_pass import __main__ as cli
 from offload_pass import report
+from offload_pass.graphs import is_view
 from offload_pass.trace import TRACKS, predicted_trace
 from tests import models
 
@@ -181,3 +182,36 @@ def test_a_profiler_trace_names_each_transfer_op():
     torch.compiler.reset()
     expected = {f"offload_pass::{op}" for op in ("offload", "offload_wait", "reload")}
     assert expected | {"offload_pass::reload_wait"} <= names
+
+
+class _TinyLanguageModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 32)
+        self.head = torch.nn.Linear(32, 64)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.head(torch.relu(self.embed(tokens)))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _ops(graph: torch.fx.GraphModule) -> list[str]:
+    """The ops that compute (the compile writes some views as reshapes)."""
+    nodes = graph.graph.nodes
+    return sorted(str(n.target) for n in nodes if n.op == "call_function" and not is_view(n))
+
+
+def test_explain_plans_the_graphs_inductor_compiles():
+    """explain runs Inductor's joint-graph passes before planning, as the compile does
+    (the cross-entropy's scatter into zeros becomes a pointwise where)."""
+    torch.manual_seed(0)
+    model = _TinyLanguageModel()
+    tokens, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    (explained,) = offload_pass.explain(model, tokens, targets, fraction=0.0).plans
+    backend = offload_pass.backend(fraction=0.0)
+    torch.compile(model, backend=backend)(tokens, targets).backward()
+    (compiled,) = backend.plans
+    assert _ops(explained.forward) == _ops(compiled.forward)
+    assert _ops(explained.backward) == _ops(compiled.backward)
+    assert "aten.scatter.value" not in _ops(explained.backward)
+    assert explained.prediction.peak_bytes == compiled.prediction.peak_bytes
