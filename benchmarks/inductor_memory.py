@@ -1,16 +1,18 @@
-"""The backward graph's memory as Inductor's generated CPU code allocates it, beside the
-cost model's predicted peak: a CPU check of what the cost model assumes Inductor fuses.
+"""The memory of Inductor's generated CPU code, beside the cost model's predicted peaks:
+a CPU check of what the cost model assumes Inductor fuses.
 
     python -m benchmarks.inductor_memory --workload W1 --recompute-budget 0.7
     python -m benchmarks.inductor_memory --workload W2 --fraction auto
+    python -m benchmarks.inductor_memory --zoo qwen2_gqa
 
-The workload (W1 unless ``--workload`` names another; ``--layers`` blocks if given) is
-planned on the CPU with the H200 profile, moving nothing unless ``--fraction`` says so.
-Backward's wrapper code is generated as the backend compiles it (its kernels compiled,
-not run) and read in order: parameters and the batch are resident, saved tensors are
-freed where the code deletes their last alias, buffers and reloads are allocated and
-freed where the code says; host buffers do not count.
-Inductor's CPU code fuses a little differently from its GPU code, so this is a lead.
+The workload (W1 unless ``--workload`` names another; ``--layers`` blocks if given), or a
+model-zoo architecture at ``ZOO_SIZES`` in bf16 (``--zoo``), is planned on the CPU with
+the H200 profile, moving nothing unless ``--fraction`` says so. The wrapper code of
+forward and of backward is generated as the backend compiles it (kernels compiled, not
+run) and read in order: parameters and the batch are resident, backward's saved tensors
+are freed where the code deletes their last alias, buffers and reloads are allocated and
+freed where the code says; host buffers do not count. Forward's outputs (what it saves)
+stay. Inductor's CPU code fuses a little differently from its GPU code, so this is a lead.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from torch._guards import detect_fake_mode
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import offload_pass
-from benchmarks import workloads
+from benchmarks import workloads, zoo
 from offload_pass import _compat, ops
+from offload_pass.costs import ChunkCosts
+from offload_pass.simulate import MemoryTimeline
 from offload_pass.units import format_bytes
 
 _ALLOCATION = re.compile(r"\s*(buf\d+) = empty_strided_cpu\(\(([^)]*)\), \([^)]*\), torch\.(\w+)\)")
@@ -41,16 +45,19 @@ _DELETE = re.compile(r"\bdel (\w+)")
 
 @dataclasses.dataclass(frozen=True)
 class CodePeak:
+    """Predicted and generated-code peaks of one graph; ``at_line``: the code's line at
+    its peak."""
+
     predicted_bytes: int
     code_bytes: int
     at_line: str
 
 
-def backward_code(gm: torch.fx.GraphModule) -> str:
+def generated_code(gm: torch.fx.GraphModule, is_backward: bool) -> str:
     inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
     with detect_fake_mode(inputs):
         compile_graph = _compat.inductor_graph_compiler(ops.holds_transfers)
-        return compile_graph(gm, inputs, is_backward=True).source_code
+        return compile_graph(gm, inputs, is_backward=is_backward).source_code
 
 
 def code_peak(
@@ -107,35 +114,56 @@ def code_peak(
     return peak, at
 
 
+ZOO_SIZES = zoo.Sizes(512, 2, 8, 2, 1408, 32000, 2, 1024)
+"""A zoo language model small enough to compile on a CPU in a minute, with a real
+vocabulary: the logits' buffers are what the peak is made of."""
+
+
+def _predicted_forward_peak(costs: ChunkCosts) -> int:
+    """The most the cost model holds in forward, nothing moved."""
+    timeline = MemoryTimeline(costs, ())
+    return timeline.resident + max(timeline.live[: costs.num_forward])
+
+
 def measure(
-    workload: workloads.Workload, recompute_budget: float | None, fraction: float | None
-) -> CodePeak:
-    model, x = workloads.build(workload, "cpu")
+    model: torch.nn.Module,
+    inputs: Sequence[object],
+    recompute_budget: float | None,
+    fraction: float | None,
+) -> tuple[CodePeak, CodePeak]:
+    """Forward's and backward's peaks, predicted and in Inductor's CPU code."""
     report = offload_pass.explain(
-        workloads.WithLoss(model),
-        x,
-        profile="h200",
-        fraction=fraction,
-        recompute_budget=recompute_budget,
+        model, *inputs, profile="h200", fraction=fraction, recompute_budget=recompute_budget
     )
     (plan,) = report.plans
     resident = sum(p.numel() * p.element_size() for p in model.parameters())
-    resident += x.numel() * x.element_size()
-    inputs = [
+    resident += sum(x.numel() * x.element_size() for x in _tensors(inputs))
+    forward_peak, forward_at = code_peak(generated_code(plan.forward, False), resident, {}, {})
+    backward_inputs = [
         n
         for n in plan.backward.graph.find_nodes(op="placeholder")
         if not n.name.startswith("primals")
     ]
-    reloaded = {n for n in inputs if any(u.target is ops.RELOAD for u in n.users)}
-    saved = {n.name: n.meta["val"] for n in inputs if n not in reloaded}
+    reloaded = {n for n in backward_inputs if any(u.target is ops.RELOAD for u in n.users)}
+    saved = {n.name: n.meta["val"] for n in backward_inputs if n not in reloaded}
     host = {n.name: n.meta["val"].untyped_storage().nbytes() for n in reloaded}
-    peak, at = code_peak(backward_code(plan.backward), resident, saved, host)
-    return CodePeak(plan.prediction.peak_bytes, peak, at)
+    code = generated_code(plan.backward, True)
+    backward_peak, backward_at = code_peak(code, resident, saved, host)
+    return (
+        CodePeak(_predicted_forward_peak(plan.costs), forward_peak, forward_at),
+        CodePeak(plan.prediction.peak_bytes, backward_peak, backward_at),
+    )
+
+
+def _tensors(inputs: Sequence[object]) -> list[torch.Tensor]:
+    leaves = torch.utils._pytree.tree_leaves(list(inputs))
+    return [x for x in leaves if isinstance(x, torch.Tensor)]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", choices=sorted(workloads.BY_NAME), default="W1")
+    parser.add_argument("--zoo", choices=sorted(zoo.MODELS), help="a zoo model instead")
     parser.add_argument("--layers", type=int, help="blocks (default: the workload's)")
     parser.add_argument("--recompute-budget", type=float)
     parser.add_argument(
@@ -143,15 +171,29 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     fraction = None if args.fraction == "auto" else float(args.fraction)
-    workload = workloads.BY_NAME[args.workload]
-    workload = dataclasses.replace(workload, layers=args.layers or workload.layers)
-    result = measure(workload, args.recompute_budget, fraction)
-    print(
-        f"{workload.name}, {workload.layers} layers, fraction {args.fraction}, "
-        f"recompute_budget {args.recompute_budget}: predicted peak "
-        f"{format_bytes(result.predicted_bytes)}, Inductor's CPU backward code "
-        f"{format_bytes(result.code_bytes)} (at `{result.at_line[:90]}`)"
-    )
+    if args.zoo:
+        sizes = dataclasses.replace(ZOO_SIZES, layers=args.layers or ZOO_SIZES.layers)
+        torch.manual_seed(0)
+        built = zoo.MODELS[args.zoo]
+        task, batch = built.task(
+            built.make(sizes).to(torch.bfloat16), sizes, torch.device("cpu"), torch.bfloat16
+        )
+        name, inputs = f"{args.zoo} (bf16, {sizes.layers} layers)", (task, (batch,))
+    else:
+        workload = workloads.BY_NAME[args.workload]
+        workload = dataclasses.replace(workload, layers=args.layers or workload.layers)
+        model, x = workloads.build(workload, "cpu")
+        name, inputs = (
+            f"{workload.name}, {workload.layers} layers",
+            (workloads.WithLoss(model), (x,)),
+        )
+    forward, backward = measure(*inputs, args.recompute_budget, fraction)
+    print(f"{name}, fraction {args.fraction}, recompute_budget {args.recompute_budget}:")
+    for graph, peak in (("forward", forward), ("backward", backward)):
+        print(
+            f"  {graph}: predicted peak {format_bytes(peak.predicted_bytes)}, Inductor's CPU "
+            f"code {format_bytes(peak.code_bytes)} (at `{peak.at_line[:90]}`)"
+        )
 
 
 if __name__ == "__main__":
