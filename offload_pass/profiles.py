@@ -92,9 +92,9 @@ CUDA_HOST = {
 """Measured on the H200 machine's host (run 38, ``python -m benchmarks.op_overhead
 --device cuda``): a kernel launch inside a compiled step (a stack twice as deep against
 the same stack; the step's buffer allocations, wrappers and autograd engine spread over
-its launches, 3 times one kernel's cost in a bare chain); an offload with its wait and a
-reload with its wait, each moving one storage; what a further storage adds to each.
-Hosts differ: runs 31 to 37 measured one offload pair at 94 to 165 us."""
+its launches, about 3 times one kernel's cost in a bare chain); an offload with its wait
+and a reload with its wait, each moving one storage; what a further storage adds to
+each. Hosts differ: runs 31 to 38 measured one offload pair at 94 to 165 us."""
 
 BUILT_IN: dict[str, DeviceProfile] = {
     "h200": DeviceProfile(
