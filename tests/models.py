@@ -17,6 +17,8 @@ H200_INSTANT_HOST = dataclasses.replace(
     kernel_launch_seconds=0.0,
     offload_host_seconds=0.0,
     reload_host_seconds=0.0,
+    bucketed_offload_host_seconds=0.0,
+    bucketed_reload_host_seconds=0.0,
 )
 """The H200 with a host that issues work instantly: a small test model plans as a large
 one does on the device. (With the host's real costs, its short kernels leave the step
