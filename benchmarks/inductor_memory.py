@@ -136,8 +136,7 @@ def measure(
         model, *inputs, profile="h200", fraction=fraction, recompute_budget=recompute_budget
     )
     (plan,) = report.plans
-    resident = sum(p.numel() * p.element_size() for p in model.parameters())
-    resident += sum(x.numel() * x.element_size() for x in _tensors(inputs))
+    resident = plan.costs.resident_bytes  # forward's inputs: parameters and the batch
     forward_peak, forward_at = code_peak(generated_code(plan.forward, False), resident, {}, {})
     backward_inputs = [
         n
@@ -153,11 +152,6 @@ def measure(
         CodePeak(_predicted_forward_peak(plan.costs), forward_peak, forward_at),
         CodePeak(plan.prediction.peak_bytes, backward_peak, backward_at),
     )
-
-
-def _tensors(inputs: Sequence[object]) -> list[torch.Tensor]:
-    leaves = torch.utils._pytree.tree_leaves(list(inputs))
-    return [x for x in leaves if isinstance(x, torch.Tensor)]
 
 
 def main(argv: Sequence[str] | None = None) -> None:

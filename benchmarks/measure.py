@@ -51,7 +51,8 @@ class _Step:
     bytes_moved: int
 
 
-def _pinned_allocations() -> int | None:
+def pinned_allocations() -> int | None:
+    """Pinned host allocations the CUDA host allocator has made so far (None without CUDA)."""
     if not torch.cuda.is_available():
         return None
     stats = torch.cuda.host_memory_stats()
@@ -132,7 +133,7 @@ def measure(
         started = time.perf_counter()
         for step in range(steps):
             if step == FIRST_TIMED_STEP:
-                pinned = _pinned_allocations()
+                pinned = pinned_allocations()
             records.append(_run_step(forward, x, device))
             model.zero_grad(set_to_none=True)
             if step == 0:
@@ -143,7 +144,7 @@ def measure(
         message = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
         return Measurement(config.name, config.family, f"fails: {type(error).__name__}: {message}")
     timed = records[FIRST_TIMED_STEP:] or records
-    after = _pinned_allocations()
+    after = pinned_allocations()
     return Measurement(
         config.name,
         config.family,

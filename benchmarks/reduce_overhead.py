@@ -34,6 +34,7 @@ from torch._dynamo.utils import counters
 
 import offload_pass
 from benchmarks import workloads
+from benchmarks.measure import pinned_allocations
 from benchmarks.zoo import MODELS
 
 MODE = "reduce-overhead"
@@ -57,11 +58,6 @@ class Replays:
 def _resident_bytes() -> int:
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _pinned_allocations() -> int:
-    stats = torch.cuda.host_memory_stats()
-    return int(stats.get("num_host_alloc", stats.get("allocations.allocated", 0)))
 
 
 def _cudagraph_skips() -> int:
@@ -92,13 +88,13 @@ def replay(
         seconds.append(start.elapsed_time(end) / 1e3)
         moved.append(offload_pass.counts().bytes_offloaded - before)
         if i == FLAT_FROM:
-            resident, pinned = _resident_bytes(), _pinned_allocations()
+            resident, pinned = _resident_bytes(), pinned_allocations()
     return Replays(
         statistics.median(seconds[FLAT_FROM:]),
         torch.cuda.max_memory_allocated(),
         moved[-1],
         _resident_bytes() - resident,
-        _pinned_allocations() - pinned,
+        pinned_allocations() - pinned,
         _cudagraph_skips() - skips,
     )
 

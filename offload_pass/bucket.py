@@ -19,9 +19,9 @@ A storage joins a forward run only where what it holds longer leaves the predict
 where it is (``MemoryTimeline.hold_if_fits``), and a backward run is kept only where what its
 storages hold earlier does. The buckets are kept where the simulated step is no slower
 than the plan's without them, or within the stall tolerance of the step with nothing
-moved; else the forward's alone, else none. The host's time is still priced per
-storage: what a storage adds to an op that moves others has not been measured apart
-from what an op of its own costs.
+moved; else the forward's alone, else none. The simulation prices a storage that joins
+another's op at the profile's bucketed host cost, so this check sees what joining saves
+the host.
 """
 
 from __future__ import annotations
