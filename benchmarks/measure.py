@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import gc
 import statistics
+import sys
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -113,6 +115,14 @@ Build = Callable[[], tuple[torch.nn.Module, Any]]
 """A fresh model and the batch each step feeds it."""
 
 
+def _root_cause(error: BaseException) -> str:
+    """The innermost exception's type and first line: a compile failure wraps the real one."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:200] if lines else ''}"
+
+
 def measure(
     config: Config, build: Build, device: torch.device, steps: int, shared: dict[str, Any]
 ) -> Measurement:
@@ -141,8 +151,8 @@ def measure(
     except Unavailable as why:
         return Measurement(config.name, config.family, str(why))
     except Exception as error:  # a peer that fails is a result, not a crash
-        message = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
-        return Measurement(config.name, config.family, f"fails: {type(error).__name__}: {message}")
+        traceback.print_exception(error, file=sys.stderr)
+        return Measurement(config.name, config.family, f"fails: {_root_cause(error)}")
     timed = records[FIRST_TIMED_STEP:] or records
     after = pinned_allocations()
     return Measurement(

@@ -367,7 +367,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--configs", nargs="*", default=[], help="names to run (default: all)")
-    parser.add_argument("--whole-only", action="store_true", help="skip per-block compilation")
+    parser.add_argument(
+        "--compilations",
+        nargs="+",
+        default=["whole", "per-block"],
+        choices=["whole", "per-block"],
+        help="compile each model whole, each block on its own (language models), or both",
+    )
     parser.add_argument(
         "--profile-auto",
         action="store_true",
@@ -383,9 +389,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     results = compare.new_results(hardware)
     stem = compare.results_stem(args.out, results, "zoo")
     for name in args.models:
-        runs = [(name, whole_configs())]
+        runs = [(name, whole_configs())] if "whole" in args.compilations else []
         blocks = MODELS[name].blocks
-        if blocks is not None and not args.whole_only:
+        if blocks is not None and "per-block" in args.compilations:
             runs.append((f"{name} per block", per_block_configs(blocks)))
         for workload, configs in runs:
             rows = compare.derive(

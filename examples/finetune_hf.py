@@ -150,6 +150,25 @@ def pad(features: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
+def warm_kernel_caches(sizes: Sizes, device: torch.device, bf16: bool) -> None:
+    """Train the eager model one step at every padded length a batch can take, so the
+    kernels' per-shape caches (cuDNN's attention plans, cuBLAS's heuristics) are built
+    before any configuration is timed. Otherwise the first configuration pays for them at
+    each length it meets first, and the configurations after it, meeting the same lengths
+    (the same seed), do not."""
+    model = make_model(sizes, device, bf16)
+    shortest = -(-(sizes.seq // 2) // PAD_TO_MULTIPLE_OF) * PAD_TO_MULTIPLE_OF
+    for width in range(shortest, sizes.seq + PAD_TO_MULTIPLE_OF, PAD_TO_MULTIPLE_OF):
+        rows = [
+            {"input_ids": torch.ones(width - 1 - row % 2, dtype=torch.long)}
+            for row in range(sizes.batch)
+        ]
+        batch = {k: v.to(device) for k, v in pad(rows).items()}
+        model(**batch).loss.backward()
+        model.zero_grad(set_to_none=True)
+    del model
+
+
 @dataclasses.dataclass
 class Step:
     loss: float = float("nan")
@@ -293,6 +312,8 @@ def main() -> None:
     if args.explain:
         explain(args, device)
         return
+    if device.type == "cuda":
+        warm_kernel_caches(args.sizes, device, args.gpu_sized)
     rows, medians = [], {}
     for name in args.configs:
         with tempfile.TemporaryDirectory() as output_dir:
@@ -301,6 +322,7 @@ def main() -> None:
         medians[name] = statistics.median(step.seconds for step in timed)
         peaks = [step.peak_bytes for step in timed if step.peak_bytes is not None]
         plans = getattr(backend, "plans", [])
+        # plans for symbolic sizes predict at the sizes first traced: the first batch's
         predicted = max((p.prediction.peak_bytes for p in plans), default=None)
         rows.append(
             [
@@ -318,7 +340,7 @@ def main() -> None:
         for row in rows:
             row.insert(2, f"{medians[row[0]] / medians['none']:.3f}")
     print()
-    headers = ["config", "step ms", "peak GiB", "moved MiB", "pred. peak GiB", "loss"]
+    headers = ["config", "step ms", "peak GiB", "moved MiB", "pred. peak GiB (1st batch)", "loss"]
     if "none" in medians:
         headers.insert(2, "ratio")
     print(tabulate.tabulate(rows, headers=headers, disable_numparse=True))

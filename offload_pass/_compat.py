@@ -107,18 +107,39 @@ def inductor_graph_compiler(
 
     def compile_graph(graph: torch.fx.GraphModule, inputs: Sequence[object], **kwargs: Any) -> Any:
         transfers = holds_transfers(graph)
-        if transfers and config.triton.cudagraphs:
-            warnings.warn(
-                "offload_pass: CUDA graphs (torch.compile mode 'reduce-overhead' or "
-                "'max-autotune') are not captured for a graph that holds transfers; "
-                "Inductor runs that graph without them",
-                stacklevel=2,
-            )
+        caveat = cuda_graph_caveat(config) if transfers else None
+        if caveat:
+            warnings.warn(f"offload_pass: {caveat}", stacklevel=2)
         patches = {"reorder_for_peak_memory": False} if transfers else {}
         with config.patch(patches):
             return compile_fx.compile_fx_inner(graph, inputs, **kwargs)
 
     return compile_graph
+
+
+def cuda_graph_caveat(inductor_config: Any) -> str | None:
+    """What CUDA graphs do to a graph that holds transfers under ``inductor_config``
+    (``torch._inductor.config``), or None where they are off.
+
+    The transfer ops cannot be captured. Without graph partitioning the whole graph then
+    runs uncaptured. With it (torch >= 2.9) the rest is captured, but the reordering that
+    minimizes partitions runs every op that cannot be captured as early as it may, so each
+    offload's wait lands beside its offload. Switching that reordering off crashed CUDA
+    graph trees on torch 2.11 (docs/gpu-validation.md, run 45)."""
+    if not inductor_config.triton.cudagraphs:
+        return None
+    if not getattr(inductor_config, "graph_partition", False):
+        return (
+            "CUDA graphs (torch.compile mode 'reduce-overhead') are not captured for a graph "
+            "that holds transfers without Inductor's graph_partition; Inductor runs that "
+            "graph without them"
+        )
+    return (
+        "under CUDA graphs (torch.compile mode 'reduce-overhead'), Inductor captures a graph "
+        "that holds transfers in partitions between them, and runs each offload's wait "
+        "right after its offload: copies do not overlap compute, so moving costs the full "
+        "copy time"
+    )
 
 
 def inductor_decompositions() -> dict[Any, Callable[..., Any]]:
@@ -320,11 +341,18 @@ def is_compiled_module(module: torch.nn.Module) -> bool:
     return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
 
 
-def _flop_formulas(registry: dict[Any, Any] | None = None) -> dict[Any, Callable[..., int]]:
+def _flop_formulas(
+    registry: dict[Any, Any] | None = None, grouped_heads: bool | None = None
+) -> dict[Any, Callable[..., int]]:
     """torch's flop formulas (``registry``, default torch's own), plus its attention
     formulas for the CPU attention kernels where the registry lacks them, as torch
     before 2.15 does (so a graph traced on the CPU prices attention as the GPU kernels
-    would); torch 2.15 registers the same formulas for them itself, which are kept."""
+    would); torch 2.15 registers the same formulas for them itself, which are kept.
+
+    torch before 2.13 counts attention only with as many key/value heads as query heads
+    and raises on grouped-query attention (``grouped_heads``, default: probed on this
+    torch); there the attention formulas see key and value broadcast to the query's heads,
+    which is what the kernels compute."""
     from torch.utils import flop_counter
 
     aten = torch.ops.aten
@@ -335,7 +363,38 @@ def _flop_formulas(registry: dict[Any, Any] | None = None) -> dict[Any, Callable
     ):
         if hasattr(aten, op):
             formulas.setdefault(getattr(aten, op), formula)
+    if grouped_heads is None:
+        grouped_heads = _counts_grouped_heads(flop_counter.sdpa_flop_count)
+    if not grouped_heads:
+        for packet, formula in formulas.items():
+            if str(packet).startswith("aten._scaled_dot_product_"):
+                formulas[packet] = _broadcasting_heads(formula, str(packet).endswith("_backward"))
     return formulas
+
+
+def _counts_grouped_heads(sdpa_flop_count: Callable[..., int]) -> bool:
+    try:
+        sdpa_flop_count((1, 2, 1, 1), (1, 1, 1, 1), (1, 1, 1, 1))
+    except AssertionError:
+        return False
+    return True
+
+
+def _broadcasting_heads(formula: Callable[..., int], backward: bool) -> Callable[..., int]:
+    """``formula`` with key and value given the query's head count. Forward kernels take
+    (query, key, value, ...), backward ones (grad_out, query, key, value, ...)."""
+    first = 1 if backward else 0
+
+    def count(*args: Any, **kwargs: Any) -> int:
+        query, key, value = args[first : first + 3]
+        if key.shape[1] != query.shape[1]:
+            heads = query.shape[1]
+            key = key.new_empty((key.shape[0], heads, *key.shape[2:]))
+            value = value.new_empty((value.shape[0], heads, *value.shape[2:]))
+            args = (*args[:first], query, key, value, *args[first + 3 :])
+        return formula(*args, **kwargs)
+
+    return count
 
 
 def flop_count(node: torch.fx.Node) -> int:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import operator
 import types
+import warnings
 
+import pytest
 import torch
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -110,6 +112,44 @@ def test_cpu_attention_formulas_of_the_registry_are_kept():
     assert formulas == dict.fromkeys(_CPU_ATTENTION, own)
 
 
+def _grouped_query_attention() -> torch.fx.Graph:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def attend(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    q, kv = torch.randn(2, 4, 8, 16), torch.randn(2, 2, 8, 16)
+    return make_fx(attend, tracing_mode="fake")(q, kv, kv).graph
+
+
+def test_grouped_query_attention_is_counted_with_the_query_heads():
+    (node,) = (n for n in _grouped_query_attention().nodes if "scaled_dot_product" in str(n.target))
+    assert _compat.flop_count(node) == 4 * 2 * 4 * 8 * 8 * 16
+
+
+def test_attention_formulas_broadcast_heads_where_torch_counts_equal_heads_only():
+    from torch.utils import flop_counter
+
+    def equal_heads_only(query, key, value, *args, **kwargs):
+        assert query.shape == key.shape == value.shape, "as torch before 2.13 asserts"
+        return flop_counter.sdpa_flop_count(query.shape, key.shape, value.shape)
+
+    older = dict.fromkeys(_CPU_ATTENTION[:1], equal_heads_only)
+    formulas = _compat._flop_formulas(older, grouped_heads=False)
+    (node,) = (n for n in _grouped_query_attention().nodes if "scaled_dot_product" in str(n.target))
+    values = [a.meta["val"] for a in node.args]
+    assert formulas[_CPU_ATTENTION[0]](*values) == 4 * 2 * 4 * 8 * 8 * 16
+
+
+def test_grouped_heads_support_is_probed_from_torch_formula():
+    def equal_heads_only(query_shape, key_shape, value_shape):
+        assert query_shape == key_shape
+        return 1
+
+    assert not _compat._counts_grouped_heads(equal_heads_only)
+    assert _compat._counts_grouped_heads(lambda *shapes: 1)
+
+
 def test_log_name_registers_with_torch_logging():
     from torch._logging._internal import log_registry
 
@@ -158,6 +198,36 @@ def test_peak_memory_reordering_is_off_only_in_graphs_with_transfers(monkeypatch
         assert _compat.inductor_graph_compiler(lambda graph: True)(None, []) == "compiled"
         assert _compat.inductor_graph_compiler(lambda graph: False)(None, []) == "compiled"
     assert seen == [False, True]
+
+
+def _inductor_settings(cudagraphs: bool, **settings: bool) -> types.SimpleNamespace:
+    return types.SimpleNamespace(triton=types.SimpleNamespace(cudagraphs=cudagraphs), **settings)
+
+
+def test_no_cuda_graph_caveat_without_cuda_graphs():
+    assert _compat.cuda_graph_caveat(_inductor_settings(False, graph_partition=True)) is None
+
+
+def test_cuda_graph_caveat_on_a_torch_without_graph_partitioning():
+    caveat = _compat.cuda_graph_caveat(_inductor_settings(True))
+    assert "not captured" in caveat and "graph_partition" in caveat
+
+
+def test_cuda_graph_caveat_with_graph_partitioning_says_copies_do_not_overlap():
+    caveat = _compat.cuda_graph_caveat(_inductor_settings(True, graph_partition=True))
+    assert "partitions" in caveat and "do not overlap" in caveat
+
+
+def test_graphs_with_transfers_warn_under_cuda_graphs(monkeypatch):
+    from torch._inductor import compile_fx, config
+
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", lambda graph, inputs, **kw: "compiled")
+    with config.patch({"triton.cudagraphs": True}):
+        with pytest.warns(UserWarning, match="offload_pass: .*CUDA graphs"):
+            _compat.inductor_graph_compiler(lambda graph: True)(None, [])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _compat.inductor_graph_compiler(lambda graph: False)(None, [])
 
 
 def test_inductor_config_of_a_mode_and_options():
