@@ -59,7 +59,11 @@ def reference(references: dict[str, Reference], name: str) -> Reference:
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("name", list(zoo.ZOO))
+@pytest.mark.parametrize(
+    "name",
+    # one worker trains a model's references and every setting of it (pytest-xdist)
+    [pytest.param(name, marks=pytest.mark.xdist_group(name)) for name in zoo.ZOO],
+)
 def test_training_matches_stock_inductor(name, setting, references):
     if zoo.ZOO[name].requires:
         pytest.importorskip(zoo.ZOO[name].requires)
