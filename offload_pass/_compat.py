@@ -122,10 +122,12 @@ def cuda_graph_caveat(inductor_config: Any) -> str | None:
     (``torch._inductor.config``), or None where they are off.
 
     The transfer ops cannot be captured. Without graph partitioning the whole graph then
-    runs uncaptured. With it (torch >= 2.9) the rest is captured, but the reordering that
-    minimizes partitions runs every op that cannot be captured as early as it may, so each
-    offload's wait lands beside its offload. Switching that reordering off crashed CUDA
-    graph trees on torch 2.11 (docs/gpu-validation.md, run 45)."""
+    runs uncaptured. With it the rest is captured, but the reordering that minimizes
+    partitions (a breadth-first order that runs every ready kernel before the next ops
+    that cannot be captured) runs all compute that does not read a transfer's result
+    first: in forward, nothing does, so every offload and its wait land after the last
+    kernel. Switching that reordering off crashed CUDA graph trees on torch 2.11
+    (docs/gpu-validation.md, run 45)."""
     if not inductor_config.triton.cudagraphs:
         return None
     if not getattr(inductor_config, "graph_partition", False):
@@ -136,9 +138,9 @@ def cuda_graph_caveat(inductor_config: Any) -> str | None:
         )
     return (
         "under CUDA graphs (torch.compile mode 'reduce-overhead'), Inductor captures a graph "
-        "that holds transfers in partitions between them, and runs each offload's wait "
-        "right after its offload: copies do not overlap compute, so moving costs the full "
-        "copy time"
+        "that holds transfers in partitions between them, reordered so that the transfers "
+        "run after the compute that does not read them: copies do not overlap compute, so "
+        "moving costs the full copy time"
     )
 
 
