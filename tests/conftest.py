@@ -9,6 +9,12 @@ import torch
 import offload_pass
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The model zoo's tests first: pytest-xdist then shares their long groups out among
+    the workers at the start, and the short tests fill in behind them."""
+    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)
+
+
 @pytest.fixture(autouse=True)
 def fresh_compile_state():
     torch.compiler.reset()

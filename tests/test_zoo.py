@@ -18,7 +18,6 @@ import offload_pass
 from tests import models, zoo
 
 SETTINGS = {
-    "half": {"fraction": 0.5},
     "all": {"fraction": 1.0},
     "auto_h200": {"profile": models.H200_INSTANT_HOST},
 }
