@@ -116,9 +116,10 @@ Build = Callable[[], tuple[torch.nn.Module, Any]]
 
 
 def _root_cause(error: BaseException) -> str:
-    """The innermost exception's type and first line: a compile failure wraps the real one."""
-    while error.__cause__ is not None:
-        error = error.__cause__
+    """The innermost exception's type and first line: a compile failure wraps the real one
+    (Dynamo's ``BackendCompilerFailed`` holds it as ``inner_exception``, raised from None)."""
+    while (inner := error.__cause__ or getattr(error, "inner_exception", None)) is not None:
+        error = inner
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0][:200] if lines else ''}"
 

@@ -137,11 +137,16 @@ PAD_TO_MULTIPLE_OF = 64
 fewer distinct shapes, and sizes the attention kernels' alignment rules accept."""
 
 
+def padded_length(length: int) -> int:
+    """``length`` rounded up to a multiple of ``PAD_TO_MULTIPLE_OF``."""
+    return -(-length // PAD_TO_MULTIPLE_OF) * PAD_TO_MULTIPLE_OF
+
+
 def pad(features: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Right padding past the batch's longest sequence to a multiple of
     ``PAD_TO_MULTIPLE_OF``, masked out of attention and loss."""
     longest = max(len(f["input_ids"]) for f in features)
-    width = -(-longest // PAD_TO_MULTIPLE_OF) * PAD_TO_MULTIPLE_OF
+    width = padded_length(longest)
     ids = torch.zeros(len(features), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, f in enumerate(features):
@@ -151,14 +156,14 @@ def pad(features: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 
 
 def warm_kernel_caches(sizes: Sizes, device: torch.device, bf16: bool) -> None:
-    """Train the eager model one step at every padded length a batch can take, so the
-    kernels' per-shape caches (cuDNN's attention plans, cuBLAS's heuristics) are built
-    before any configuration is timed. Otherwise the first configuration pays for them at
+    """Run the eager model's forward and backward once at every padded length a batch can
+    take, so the kernels' per-shape caches (cuDNN's attention plans, cuBLAS's heuristics)
+    are built before any configuration is timed. Otherwise the first configuration pays for them at
     each length it meets first, and the configurations after it, meeting the same lengths
     (the same seed), do not."""
     model = make_model(sizes, device, bf16)
-    shortest = -(-(sizes.seq // 2) // PAD_TO_MULTIPLE_OF) * PAD_TO_MULTIPLE_OF
-    for width in range(shortest, sizes.seq + PAD_TO_MULTIPLE_OF, PAD_TO_MULTIPLE_OF):
+    shortest, longest = padded_length(sizes.seq // 2), padded_length(sizes.seq)
+    for width in range(shortest, longest + 1, PAD_TO_MULTIPLE_OF):
         rows = [
             {"input_ids": torch.ones(width - 1 - row % 2, dtype=torch.long)}
             for row in range(sizes.batch)

@@ -102,7 +102,8 @@ def inductor_graph_compiler(
 ) -> Callable[..., Any]:
     """Inductor's per-graph compile, with peak-memory reordering off in graphs that hold
     transfers: it would sink each reload to its first use, where its copy cannot overlap
-    anything, and the plan has already ordered those graphs for memory."""
+    anything, and the plan has already ordered those graphs for memory. Under CUDA graphs
+    it warns what they do to those graphs (:func:`cuda_graph_caveat`)."""
     from torch._inductor import compile_fx, config
 
     def compile_graph(graph: torch.fx.GraphModule, inputs: Sequence[object], **kwargs: Any) -> Any:
@@ -132,12 +133,14 @@ def cuda_graph_caveat(inductor_config: Any) -> str | None:
         return None
     if not getattr(inductor_config, "graph_partition", False):
         return (
-            "CUDA graphs (torch.compile mode 'reduce-overhead') are not captured for a graph "
+            "CUDA graphs (torch.compile mode 'reduce-overhead' or 'max-autotune') are not "
+            "captured for a graph "
             "that holds transfers without Inductor's graph_partition; Inductor runs that "
             "graph without them"
         )
     return (
-        "under CUDA graphs (torch.compile mode 'reduce-overhead'), Inductor captures a graph "
+        "under CUDA graphs (torch.compile mode 'reduce-overhead' or 'max-autotune'), "
+        "Inductor captures a graph "
         "that holds transfers in partitions between them, reordered so that the transfers "
         "run after the compute that does not read them: copies do not overlap compute, so "
         "moving costs the full copy time"
@@ -370,7 +373,8 @@ def _flop_formulas(
     if not grouped_heads:
         for packet, formula in formulas.items():
             if str(packet).startswith("aten._scaled_dot_product_"):
-                formulas[packet] = _broadcasting_heads(formula, str(packet).endswith("_backward"))
+                query_at = 1 if str(packet).endswith("_backward") else 0  # after grad_out
+                formulas[packet] = _broadcasting_heads(formula, query_at)
     return formulas
 
 
@@ -382,18 +386,17 @@ def _counts_grouped_heads(sdpa_flop_count: Callable[..., int]) -> bool:
     return True
 
 
-def _broadcasting_heads(formula: Callable[..., int], backward: bool) -> Callable[..., int]:
-    """``formula`` with key and value given the query's head count. Forward kernels take
-    (query, key, value, ...), backward ones (grad_out, query, key, value, ...)."""
-    first = 1 if backward else 0
+def _broadcasting_heads(formula: Callable[..., int], query_at: int) -> Callable[..., int]:
+    """``formula`` with key and value given the query's head count; the kernel takes
+    query, key and value in a row from argument ``query_at``."""
 
     def count(*args: Any, **kwargs: Any) -> int:
-        query, key, value = args[first : first + 3]
+        query, key, value = args[query_at : query_at + 3]
         if key.shape[1] != query.shape[1]:
             heads = query.shape[1]
             key = key.new_empty((key.shape[0], heads, *key.shape[2:]))
             value = value.new_empty((value.shape[0], heads, *value.shape[2:]))
-            args = (*args[:first], query, key, value, *args[first + 3 :])
+            args = (*args[:query_at], query, key, value, *args[query_at + 3 :])
         return formula(*args, **kwargs)
 
     return count

@@ -280,3 +280,20 @@ def test_reduce_overhead_refuses_to_run_without_cuda(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         reduce_overhead.main()
     assert "--replays must be above 10, got 5" in capsys.readouterr().err
+
+
+def test_a_failed_compile_is_reported_by_the_exception_it_wraps():
+    from benchmarks.measure import _root_cause
+
+    class Wrapper(Exception):  # as Dynamo's BackendCompilerFailed: raised from None
+        def __init__(self, inner: Exception) -> None:
+            super().__init__("backend='OffloadBackend(...)' raised:")
+            self.inner_exception = inner
+
+    try:
+        try:
+            raise ValueError("shapes are incompatible\nsecond line")
+        except ValueError as inner:
+            raise Wrapper(inner) from None
+    except Wrapper as error:
+        assert _root_cause(error) == "ValueError: shapes are incompatible"

@@ -112,19 +112,21 @@ def test_cpu_attention_formulas_of_the_registry_are_kept():
     assert formulas == dict.fromkeys(_CPU_ATTENTION, own)
 
 
-def _grouped_query_attention() -> torch.fx.Graph:
+def _grouped_query_attention() -> torch.fx.Node:
+    """The attention node of a traced grouped-query attention: 4 query heads, 2 key/value."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     def attend(q, k, v):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
     q, kv = torch.randn(2, 4, 8, 16), torch.randn(2, 2, 8, 16)
-    return make_fx(attend, tracing_mode="fake")(q, kv, kv).graph
+    graph = make_fx(attend, tracing_mode="fake")(q, kv, kv).graph
+    (node,) = (n for n in graph.nodes if "scaled_dot_product" in str(n.target))
+    return node
 
 
 def test_grouped_query_attention_is_counted_with_the_query_heads():
-    (node,) = (n for n in _grouped_query_attention().nodes if "scaled_dot_product" in str(n.target))
-    assert _compat.flop_count(node) == 4 * 2 * 4 * 8 * 8 * 16
+    assert _compat.flop_count(_grouped_query_attention()) == 4 * 2 * 4 * 8 * 8 * 16
 
 
 def test_attention_formulas_broadcast_heads_where_torch_counts_equal_heads_only():
@@ -136,8 +138,7 @@ def test_attention_formulas_broadcast_heads_where_torch_counts_equal_heads_only(
 
     older = dict.fromkeys(_CPU_ATTENTION[:1], equal_heads_only)
     formulas = _compat._flop_formulas(older, grouped_heads=False)
-    (node,) = (n for n in _grouped_query_attention().nodes if "scaled_dot_product" in str(n.target))
-    values = [a.meta["val"] for a in node.args]
+    values = [a.meta["val"] for a in _grouped_query_attention().args]
     assert formulas[_CPU_ATTENTION[0]](*values) == 4 * 2 * 4 * 8 * 8 * 16
 
 

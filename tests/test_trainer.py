@@ -236,7 +236,7 @@ def test_trainer_trains_a_model_compiled_in_place_like_stock_compile(collator, m
     model.compile(backend=backend, mode=mode)
     if mode is None:
         trainer, steps = train_with_trainer(model, collator, str(tmp_path / "offload"))
-    else:  # a CUDA-graph mode: graphs that hold transfers run without CUDA graphs
+    else:  # a CUDA-graph mode: the backend warns what CUDA graphs do to graphs with transfers
         with pytest.warns(UserWarning, match="CUDA graphs"):
             trainer, steps = train_with_trainer(model, collator, str(tmp_path / "offload"))
     zoo.assert_within(steps, expected.stock, expected.spread)
