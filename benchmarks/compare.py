@@ -220,6 +220,8 @@ COLUMNS = (
     ("offload_efficiency", "efficiency", "{:.3f}"),
     ("bound_ratio", "bound ratio", "{:.3f}"),
     ("predicted_step_ms", "pred ms", "{:.1f}"),
+    ("host_ms", "host ms", "{:.1f}"),
+    ("predicted_host_ms", "pred host ms", "{:.1f}"),
     ("predicted_peak_bytes", "pred peak GiB", "gib"),
     ("pinned_allocations_after_warmup", "pinned allocs", "{}"),
     ("first_step_s", "first step s", "{:.1f}"),

@@ -7,6 +7,8 @@
 #               shell quoting kept: ZOO_ARGS='--models gpt2 --configs "offload_pass auto"')
 #   example     the main example
 #   overhead    the transfer ops' host time, alone and inside compiled steps (op_overhead.py)
+#   kernels     the zoo's launches as counted against the kernels run and the host's time
+#               (kernel_count.py)
 #   finetune    the fine-tuning example (examples/finetune_hf.py; $FINETUNE_ARGS are passed,
 #               shell quoting kept: FINETUNE_ARGS='--configs none auto "budget 0.7"')
 #   breakdown   what is alive at the measured peak of W2's auto and three W1 configurations
@@ -48,6 +50,9 @@ for step in "${steps[@]}"; do
     overhead)
         python -m benchmarks.op_overhead --device cuda 2>&1 | tee "$out/op_overhead.log"
         ;;
+    kernels)
+        python -m benchmarks.kernel_count 2>&1 | tee "$out/kernel_count.log"
+        ;;
     finetune)
         eval "python examples/finetune_hf.py ${FINETUNE_ARGS:-}" 2>&1 | tee "$out/finetune_hf.log"
         ;;
@@ -62,7 +67,7 @@ for step in "${steps[@]}"; do
         python -m benchmarks.reduce_overhead 2>&1 | tee "$out/reduce_overhead.log"
         ;;
     *)
-        echo "unknown step $step (compare, cuda-tests, zoo, zoo-bench, example, overhead," \
+        echo "unknown step $step (compare, cuda-tests, zoo, zoo-bench, example, overhead, kernels," \
             "finetune, breakdown, cuda-graphs)" >&2
         exit 2
         ;;

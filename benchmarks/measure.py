@@ -15,8 +15,12 @@ import torch
 
 import offload_pass
 from benchmarks.configs import Config, Unavailable
+from offload_pass import _compat
 
 FIRST_TIMED_STEP = 2  # benchmarks/README.md: the median of steps 3..8
+HEAD_START_CYCLES = 1_000_000_000
+"""What the device spins before the step whose host time is measured (about 0.5 s at
+2 GHz), longer than any step here takes the host to issue."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +42,9 @@ class Measurement:
     moved_names: tuple[str, ...] = ()
     transfer_ops: int | None = None
     """Offload and reload ops a step issues (each moves a bucket of storages)."""
+    host_ms: float | None = None
+    """What the host takes to issue one step while the device is still busy (CUDA only)."""
+    predicted_host_ms: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -91,6 +98,24 @@ def _run_step(forward: Any, x: Any, device: torch.device) -> _Step:
     )
 
 
+def host_seconds(forward: Any, x: Any, device: torch.device) -> float | None:
+    """The host's time to issue one more step, with the device kept busy by a head start
+    so that the host never waits for it; None without CUDA, or where the host did wait
+    (something in the step synchronized, or it outran the head start)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    _compat.spin_device(device, HEAD_START_CYCLES)
+    spun = torch.cuda.Event()
+    spun.record()
+    start = time.perf_counter()
+    forward(x).backward()
+    seconds = time.perf_counter() - start
+    waited = spun.query()  # the head start ran out before the host was done
+    torch.cuda.synchronize()
+    return None if waited else seconds
+
+
 def _predictions(shared: dict[str, Any]) -> dict[str, Any]:
     """What the plans predict, where they cover the whole step: one chunk's plan run once
     per block covers only that block (``shared["whole_step"]`` False)."""
@@ -108,6 +133,7 @@ def _predictions(shared: dict[str, Any]) -> dict[str, Any]:
         - max(p.prediction.peak_bytes for p in plans),
         "moved_names": tuple(d.group.root for p in plans for d in p.moved),
         "transfer_ops": sum(p.offload_ops + p.reload_ops for p in plans),
+        "predicted_host_ms": sum(p.prediction.host_seconds for p in plans) * 1e3,
     }
 
 
@@ -149,6 +175,8 @@ def measure(
             model.zero_grad(set_to_none=True)
             if step == 0:
                 first_step = time.perf_counter() - started
+        host = host_seconds(forward, x, device)
+        model.zero_grad(set_to_none=True)
     except Unavailable as why:
         return Measurement(config.name, config.family, str(why))
     except Exception as error:  # a peer that fails is a result, not a crash
@@ -168,5 +196,6 @@ def measure(
         # offload_pass counts what it moves; what a peer moves is not measured here
         bytes_moved=timed[-1].bytes_moved if config.family == "offload_pass" else None,
         pinned_allocations_after_warmup=None if after is None or pinned is None else after - pinned,
+        host_ms=None if host is None else host * 1e3,
         **_predictions(shared),
     )

@@ -6,7 +6,8 @@ products, convolutions and attention are timed on it instead (timing.py). Pointw
 ops and reductions fuse into their neighbours, as Inductor fuses them: a value that only
 fusible ops read is never written to memory, and costs neither bytes nor memory; each
 kernel that reads it computes it again, so what it is computed from is read there.
-Each node whose result is written to memory is one kernel the host issues.
+Each node whose result is written to memory is computed by a kernel the host issues; a
+fusible one shares its kernel with the fusible nodes it feeds directly.
 Memory is tracked per storage: allocated where it is produced, freed after its last read
 in forward or backward; the chunk's inputs (parameters, the batch) are resident
 throughout and backward's outputs (gradients) are kept to the end. Positions run over
@@ -18,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import operator
+from collections.abc import Sequence
 
 import torch
 import torch.fx
@@ -25,6 +27,7 @@ import torch.fx
 from offload_pass import _compat
 from offload_pass.graphs import (
     ChunkGraphs,
+    fused_kernels,
     is_view,
     kernels_reading,
     materializes,
@@ -39,7 +42,7 @@ from offload_pass.timing import NodeTimer
 @dataclasses.dataclass(frozen=True)
 class ChunkCosts:
     """Per position: seconds of each forward and backward node, and kernels the host
-    issues for it (``forward_launches``/``backward_launches``, 0 or 1); bytes
+    issues there (``forward_launches``/``backward_launches``, 0 or 1); bytes
     ``allocated`` when it runs and ``freed`` after it. ``backward_inputs``: backward's
     leading placeholders. ``forward_names``/``backward_names``: the node at each
     position."""
@@ -87,11 +90,11 @@ def node_seconds(
     return max(flops / profile.matrix_rate(dtype), traffic / profile.memory_bandwidth)
 
 
-def kernel_launches(node: torch.fx.Node) -> int:
-    """Kernels the host issues for ``node``: one where its result is written to memory."""
-    return int(
-        node.op == "call_function" and node.target is not operator.getitem and materializes(node)
-    )
+def kernel_launches(nodes: Sequence[torch.fx.Node]) -> tuple[int, ...]:
+    """Kernels the host issues at each node: one at the first node of each kernel, as the
+    generated code fuses them (``graphs.fused_kernels``)."""
+    kernels = fused_kernels(nodes)
+    return tuple(int(kernels.get(n) is n) for n in nodes)
 
 
 def estimate_costs(
@@ -104,8 +107,8 @@ def estimate_costs(
         profile=profile,
         forward_seconds=tuple(node_seconds(n, profile, timer) for n in forward),
         backward_seconds=tuple(node_seconds(n, profile, timer) for n in backward),
-        forward_launches=tuple(kernel_launches(n) for n in forward),
-        backward_launches=tuple(kernel_launches(n) for n in backward),
+        forward_launches=kernel_launches(forward),
+        backward_launches=kernel_launches(backward),
         resident_bytes=sum(
             tensor_bytes(n.meta.get("val")) for n in forward if n.op == "placeholder"
         ),

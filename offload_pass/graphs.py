@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.fx
@@ -93,6 +93,8 @@ _LOWERED_AS_POINTWISE = frozenset(
     {
         torch.ops.aten.gather,
         torch.ops.aten.embedding,
+        torch.ops.aten.cat,
+        torch.ops.aten.clone,
         torch.ops.aten.full,
         torch.ops.aten.arange,
         torch.ops.prims.iota,
@@ -102,7 +104,8 @@ _LOWERED_AS_POINTWISE = frozenset(
     }
 )
 """Ops without torch's pointwise tag that Inductor lowers as pointwise all the same: each
-element reads one element of an input (indexed gathers, pads) or none (constants). The
+element reads one element of an input (indexed gathers, pads, concatenations, copies) or
+none (constants). The
 cross-entropy's ``gather`` of the log-softmax is one: that fp32 log-softmax, as large as
 the logits, is never written to memory."""
 
@@ -150,6 +153,74 @@ def kernels_reading(
         else:
             known[node] = frozenset(k for c in _consumers(node) for k in kernels_reading(c, known))
     return known[node]
+
+
+def _is_kernel(node: torch.fx.Node) -> bool:
+    """A node the generated code computes in a kernel of its own or a fused one."""
+    return node.op == "call_function" and node.target is not operator.getitem and materializes(node)
+
+
+def _depths(nodes: Sequence[torch.fx.Node]) -> dict[torch.fx.Node, int]:
+    """How many kernels that cannot fuse (matrix products, attention, ...) lie on the
+    longest path into each node."""
+    depth: dict[torch.fx.Node, int] = {}
+    for node in nodes:
+        depth[node] = max(
+            (
+                depth.get(arg, 0) + int(_is_kernel(arg) and not is_fusible(arg))
+                for arg in node.all_input_nodes
+            ),
+            default=0,
+        )
+    return depth
+
+
+def fused_kernels(nodes: Sequence[torch.fx.Node]) -> dict[torch.fx.Node, torch.fx.Node]:
+    """Each node written to memory, and the first node of the kernel that writes it.
+
+    Fusible nodes written to memory share a kernel, as Inductor fuses them, where one
+    feeds the other directly (a normalization's statistics and its output: one kernel,
+    two outputs), or where both read one value written to memory and write as many
+    elements (an activation's two gradients). A kernel that cannot fuse between them
+    (one depends on a matrix product of the other: a residual stream's next add, say)
+    keeps them apart.
+    """
+    depth = _depths(nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    parent = {n: n for n in nodes if _is_kernel(n)}
+    known: dict[torch.fx.Node, frozenset[torch.fx.Node]] = {}
+
+    def find(node: torch.fx.Node) -> torch.fx.Node:
+        while parent[node] is not node:
+            parent[node] = parent[parent[node]]
+            node = parent[node]
+        return node
+
+    def fused_readers(value: torch.fx.Node) -> list[torch.fx.Node]:
+        """The fusible kernels computing what reads ``value``."""
+        found = []
+        for consumer in _consumers(value):
+            if is_fusible(consumer):
+                found.extend(
+                    k for k in kernels_reading(consumer, known) if k in parent and is_fusible(k)
+                )
+        return found
+
+    def join(a: torch.fx.Node, b: torch.fx.Node) -> None:
+        first, second = sorted((find(a), find(b)), key=order.__getitem__)
+        parent[second] = first
+
+    for node in parent:
+        readers = fused_readers(node)
+        if is_fusible(node):
+            for kernel in readers:
+                if depth[kernel] == depth[node]:
+                    join(node, kernel)
+        alike: dict[tuple[int, str], torch.fx.Node] = {}
+        for kernel in readers:
+            size = str([v.numel() for v in tensor_values(kernel.meta.get("val"))])
+            join(alike.setdefault((depth[kernel], size), kernel), kernel)
+    return {n: find(n) for n in parent}
 
 
 def tensor_bytes(value: object) -> int:

@@ -66,13 +66,15 @@ class CopyPrediction:
 class Prediction:
     """One step as simulated; times in seconds from the start of forward.
     ``stall_seconds``: compute waiting for copies; ``host_wait_seconds``: compute waiting
-    for the host to issue its kernels. ``forward_starts``/``backward_starts``: when each
-    node starts computing."""
+    for the host to issue its kernels; ``host_seconds``: what the host takes to issue the
+    step, had it never to wait for the device. ``forward_starts``/``backward_starts``:
+    when each node starts computing."""
 
     forward_seconds: float
     backward_seconds: float
     stall_seconds: float
     host_wait_seconds: float
+    host_seconds: float
     peak_bytes: int
     baseline_seconds: float
     baseline_peak_bytes: int
@@ -356,6 +358,7 @@ def simulate(costs: ChunkCosts, transfers: Sequence[Transfer], in_flight: int = 
         backward_seconds=streams.clock - timeline.forward_end,
         stall_seconds=streams.stall,
         host_wait_seconds=streams.host_wait,
+        host_seconds=streams.host,
         peak_bytes=peak_bytes(costs, transfers, in_flight),
         baseline_seconds=_unhindered(costs).streams.clock,
         baseline_peak_bytes=_unhindered_peak(costs, in_flight),

@@ -180,6 +180,7 @@ def test_the_device_waits_for_the_host_to_issue_its_kernels():
     prediction = simulate(chunk([], HOST_BOUND), ())
     assert prediction.step_seconds == pytest.approx(41 * MS)
     assert prediction.host_wait_seconds == pytest.approx(21 * MS)
+    assert prediction.host_seconds == pytest.approx(40 * MS)
     assert prediction.baseline_seconds == pytest.approx(41 * MS)
 
 
@@ -188,6 +189,7 @@ def test_each_transfer_lengthens_a_host_bound_step_by_its_host_time():
     assert moved(result) == ["a0"]
     assert result.prediction.stall_seconds == 0
     assert result.prediction.step_seconds == pytest.approx((41 + 3 + 3) * MS)
+    assert result.prediction.host_seconds == pytest.approx((40 + 3 + 3) * MS)
 
 
 def test_auto_moves_nothing_whose_host_time_slows_the_step_beyond_its_tolerance():
