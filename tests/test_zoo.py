@@ -1,8 +1,8 @@
 """Three training steps of each zoo model under offloading land as close to stock Inductor's
 as other stock runs do.
 
-The second distinct shape recompiles with symbolic sizes, so every model is planned and
-rewritten twice: once static, once symbolic.
+The sizes that change are compiled symbolically from the first step, so every model is
+planned and rewritten with symbolic sizes; the static path is the rest of the suite's.
 """
 
 from __future__ import annotations
@@ -73,6 +73,4 @@ def test_training_matches_stock_inductor(name, setting, references):
     steps = zoo.train(copy.deepcopy(ref.model), zoo.ZOO[name], backend)
     zoo.assert_within(steps, ref.stock, ref.spread)
     assert sum(plan.bytes_moved for plan in backend.plans) > 0
-    if "fraction" in SETTINGS[setting]:
-        moved = {zoo.compiled_symbolically(plan) for plan in backend.plans if plan.bytes_moved}
-        assert moved == {False, True}, "nothing moved in the static or the symbolic compile"
+    assert all(zoo.compiled_symbolically(plan) for plan in backend.plans)

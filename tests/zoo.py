@@ -1,7 +1,7 @@
 """Tiny, randomly initialised models of the families people train, with their batches.
 
 Every entry builds its model from a fixed seed and gives, for steps 0..2, a batch whose
-batch size or sequence length changes, so a compiled run also compiles symbolic sizes.
+batch size or sequence length changes; a compiled run compiles those sizes symbolically.
 """
 
 from __future__ import annotations
@@ -294,12 +294,26 @@ Step = dict[str, torch.Tensor]
 """A step's loss (under "loss") and every parameter's gradient (under its name)."""
 
 
+def _mark_varying_sizes(batches: list[Batch]) -> None:
+    """Mark each size that changes from batch to batch dynamic in the first batch, so the
+    first compile is already symbolic: one compile, where leaving it to Dynamo compiles
+    the first sizes statically and then again symbolically."""
+    for name, value in batches[0].items():
+        for dim, size in enumerate(value.shape):
+            if any(batch[name].shape[dim] != size for batch in batches[1:]):
+                torch._dynamo.maybe_mark_dynamic(value, dim)
+
+
 def train(model: nn.Module, entry: Entry, backend: object, device: str = "cpu") -> list[Step]:
     """``STEPS`` steps of ``model`` compiled with ``backend``, the batch changing size."""
     compiled = torch.compile(model, backend=backend)
+    batches = [
+        {name: value.to(device) for name, value in entry.make_batch(k).items()}
+        for k in range(STEPS)
+    ]
+    _mark_varying_sizes(batches)
     steps = []
-    for k in range(STEPS):
-        batch = {name: value.to(device) for name, value in entry.make_batch(k).items()}
+    for batch in batches:
         loss = entry.loss(compiled, batch)
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
