@@ -6,8 +6,8 @@ products, convolutions and attention are timed on it instead (timing.py). Pointw
 ops and reductions fuse into their neighbours, as Inductor fuses them: a value that only
 fusible ops read is never written to memory, and costs neither bytes nor memory; each
 kernel that reads it computes it again, so what it is computed from is read there.
-Each node whose result is written to memory is computed by a kernel the host issues; a
-fusible one shares its kernel with the fusible nodes it feeds directly.
+Each node whose result is written to memory is computed by a kernel the host issues, and
+fusible ones computed together share one (``graphs.fused_kernels``).
 Memory is tracked per storage: allocated where it is produced, freed after its last read
 in forward or backward; the chunk's inputs (parameters, the batch) are resident
 throughout and backward's outputs (gradients) are kept to the end. Positions run over

@@ -105,9 +105,8 @@ _LOWERED_AS_POINTWISE = frozenset(
 )
 """Ops without torch's pointwise tag that Inductor lowers as pointwise all the same: each
 element reads one element of an input (indexed gathers, pads, concatenations, copies) or
-none (constants). The
-cross-entropy's ``gather`` of the log-softmax is one: that fp32 log-softmax, as large as
-the logits, is never written to memory."""
+none (constants). The cross-entropy's ``gather`` of the log-softmax is one: that fp32
+log-softmax, as large as the logits, is never written to memory."""
 
 
 def is_fusible(node: torch.fx.Node) -> bool:
