@@ -61,7 +61,8 @@ def count(name: str, device: torch.device) -> dict[str, object]:
         for _ in range(TIMED_STEPS):
             values.append(measure(forward, batch))
             task.zero_grad(set_to_none=True)
-        return statistics.median(v for v in values if v is not None)
+        measured = [v for v in values if v is not None]
+        return statistics.median(measured) if measured else float("nan")
 
     for _ in range(WARMUP_STEPS):
         forward(batch).backward()

@@ -21,6 +21,7 @@ FIRST_TIMED_STEP = 2  # benchmarks/README.md: the median of steps 3..8
 HEAD_START_CYCLES = 1_000_000_000
 """What the device spins before the step whose host time is measured (about 0.5 s at
 2 GHz), longer than any step here takes the host to issue."""
+HOST_STEPS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +44,10 @@ class Measurement:
     transfer_ops: int | None = None
     """Offload and reload ops a step issues (each moves a bucket of storages)."""
     host_ms: float | None = None
-    """What the host takes to issue one step while the device is still busy (CUDA only)."""
+    """What the host takes to issue one step while the device is still busy (CUDA only;
+    the median of ``HOST_STEPS`` more steps)."""
     predicted_host_ms: float | None = None
+    """The plans' host time, without a step's fixed host time (guards, wrappers)."""
 
     @property
     def ok(self) -> bool:
@@ -101,17 +104,17 @@ def _run_step(forward: Any, x: Any, device: torch.device) -> _Step:
 def host_seconds(forward: Any, x: Any, device: torch.device) -> float | None:
     """The host's time to issue one more step, with the device kept busy by a head start
     so that the host never waits for it; None without CUDA, or where the host did wait
-    (something in the step synchronized, or it outran the head start)."""
+    (something in the step synchronized, or it took longer than the head start)."""
     if device.type != "cuda":
         return None
     torch.cuda.synchronize()
     _compat.spin_device(device, HEAD_START_CYCLES)
     spun = torch.cuda.Event()
-    spun.record()
+    spun.record(torch.cuda.current_stream(device))
     start = time.perf_counter()
     forward(x).backward()
     seconds = time.perf_counter() - start
-    waited = spun.query()  # the head start ran out before the host was done
+    waited = spun.query()  # the head start ended before the host was done
     torch.cuda.synchronize()
     return None if waited else seconds
 
@@ -175,15 +178,18 @@ def measure(
             model.zero_grad(set_to_none=True)
             if step == 0:
                 first_step = time.perf_counter() - started
-        host = host_seconds(forward, x, device)
-        model.zero_grad(set_to_none=True)
+        after = pinned_allocations()
+        hosts = []
+        for _ in range(HOST_STEPS):
+            hosts.append(host_seconds(forward, x, device))
+            model.zero_grad(set_to_none=True)
     except Unavailable as why:
         return Measurement(config.name, config.family, str(why))
     except Exception as error:  # a peer that fails is a result, not a crash
         traceback.print_exception(error, file=sys.stderr)
         return Measurement(config.name, config.family, f"fails: {_root_cause(error)}")
     timed = records[FIRST_TIMED_STEP:] or records
-    after = pinned_allocations()
+    host = None if None in hosts else statistics.median(hosts)
     return Measurement(
         config.name,
         config.family,

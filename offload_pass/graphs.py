@@ -8,6 +8,7 @@ Every later stage (order, analyse, cost model, rewrite) reads the graphs through
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from collections.abc import Iterator, Sequence
 
@@ -154,19 +155,66 @@ def kernels_reading(
     return known[node]
 
 
-def _is_kernel(node: torch.fx.Node) -> bool:
-    """A node the generated code computes in a kernel of its own or a fused one."""
-    return node.op == "call_function" and node.target is not operator.getitem and materializes(node)
+_REDUCTION = getattr(torch.Tag, "reduction", None)
 
 
-def _depths(nodes: Sequence[torch.fx.Node]) -> dict[torch.fx.Node, int]:
+def _writes_tensor(node: torch.fx.Node) -> bool:
+    """A value written to memory that holds a tensor (not a size computed on the host)."""
+    return materializes(node) and bool(tensor_values(node.meta.get("val")))
+
+
+def _sizes(node: torch.fx.Node) -> tuple[int, ...] | None:
+    """The sizes of the node's first tensor at their hints; None where one has none."""
+    values = tensor_values(node.meta.get("val"))
+    if not values:
+        return None
+    sizes = tuple(_compat.concrete_int(d) for d in values[0].shape)
+    return None if None in sizes else sizes
+
+
+def _reduces(node: torch.fx.Node, known: dict[torch.fx.Node, bool]) -> bool:
+    """Whether the kernel computing ``node`` reduces: it is a reduction, or computes one
+    of its inputs inline."""
+    if node not in known:
+        known[node] = False  # guards the recursion; set below
+        known[node] = _REDUCTION in getattr(node.target, "tags", ()) or any(
+            is_fusible(arg) and not materializes(arg) and _reduces(arg, known)
+            for arg in node.all_input_nodes
+        )
+    return known[node]
+
+
+def _one_loop(a: torch.fx.Node, b: torch.fx.Node, reduces: dict[torch.fx.Node, bool]) -> bool:
+    """Whether Inductor computes ``a`` and ``b`` in one loop: they are as large, or the
+    smaller reduces within each row of the larger (a normalization's statistics and its
+    output). A reduction over rows (a bias gradient's sum over tokens) runs in a kernel
+    of its own, and so does a value broadcast to a larger one."""
+    sizes_a, sizes_b = _sizes(a), _sizes(b)
+    if sizes_a is None or sizes_b is None:
+        return False
+    if math.prod(sizes_a) == math.prod(sizes_b):
+        return True
+    (small, small_sizes), (_, large_sizes) = sorted(
+        ((a, sizes_a), (b, sizes_b)), key=lambda pair: math.prod(pair[1])
+    )
+    rows = [d for d in large_sizes[:-1] if d != 1]
+    return (
+        bool(large_sizes)
+        and [d for d in small_sizes if d != 1] == rows
+        and _reduces(small, reduces)
+    )
+
+
+def _depths(
+    nodes: Sequence[torch.fx.Node], kernels: set[torch.fx.Node]
+) -> dict[torch.fx.Node, int]:
     """How many kernels that cannot fuse (matrix products, attention, ...) lie on the
     longest path into each node."""
     depth: dict[torch.fx.Node, int] = {}
     for node in nodes:
         depth[node] = max(
             (
-                depth.get(arg, 0) + int(_is_kernel(arg) and not is_fusible(arg))
+                depth.get(arg, 0) + int(arg in kernels and not is_fusible(arg))
                 for arg in node.all_input_nodes
             ),
             default=0,
@@ -175,19 +223,22 @@ def _depths(nodes: Sequence[torch.fx.Node]) -> dict[torch.fx.Node, int]:
 
 
 def fused_kernels(nodes: Sequence[torch.fx.Node]) -> dict[torch.fx.Node, torch.fx.Node]:
-    """Each node written to memory, and the first node of the kernel that writes it.
+    """Each op whose tensor is written to memory, and the first op of the kernel that
+    writes it (multi-output results and the graph's inputs are not ops of their own).
 
-    Fusible nodes written to memory share a kernel, as Inductor fuses them, where one
-    feeds the other directly (a normalization's statistics and its output: one kernel,
-    two outputs), or where both read one value written to memory and write as many
-    elements (an activation's two gradients). A kernel that cannot fuse between them
+    Fusible ops written to memory share a kernel, as Inductor fuses them, where one feeds
+    the other directly in one loop (a normalization's statistics and its output: one
+    kernel, two outputs), or where both read one value written to memory and write as
+    many elements (an activation's two gradients). A kernel that cannot fuse between them
     (one depends on a matrix product of the other: a residual stream's next add, say)
     keeps them apart.
     """
-    depth = _depths(nodes)
+    written = [n for n in nodes if _writes_tensor(n)]
+    parent = {n: n for n in written if n.op == "call_function" and n.target is not operator.getitem}
+    depth = _depths(nodes, set(parent))
     order = {n: i for i, n in enumerate(nodes)}
-    parent = {n: n for n in nodes if _is_kernel(n)}
     known: dict[torch.fx.Node, frozenset[torch.fx.Node]] = {}
+    reduces: dict[torch.fx.Node, bool] = {}
 
     def find(node: torch.fx.Node) -> torch.fx.Node:
         while parent[node] is not node:
@@ -209,16 +260,17 @@ def fused_kernels(nodes: Sequence[torch.fx.Node]) -> dict[torch.fx.Node, torch.f
         first, second = sorted((find(a), find(b)), key=order.__getitem__)
         parent[second] = first
 
-    for node in parent:
-        readers = fused_readers(node)
-        if is_fusible(node):
+    for value in written:
+        readers = fused_readers(value)
+        if value in parent and is_fusible(value):
             for kernel in readers:
-                if depth[kernel] == depth[node]:
-                    join(node, kernel)
-        alike: dict[tuple[int, str], torch.fx.Node] = {}
+                if depth[kernel] == depth[value] and _one_loop(value, kernel, reduces):
+                    join(value, kernel)
+        alike: dict[tuple[int, int], torch.fx.Node] = {}
         for kernel in readers:
-            size = str([v.numel() for v in tensor_values(kernel.meta.get("val"))])
-            join(alike.setdefault((depth[kernel], size), kernel), kernel)
+            sizes = _sizes(kernel)
+            if sizes is not None:
+                join(alike.setdefault((depth[kernel], math.prod(sizes)), kernel), kernel)
     return {n: find(n) for n in parent}
 
 

@@ -83,7 +83,7 @@ GB = 1e9
 TFLOPS = 1e12
 US = 1e-6
 CUDA_HOST = {
-    "kernel_launch_seconds": 49.1 * US,
+    "kernel_launch_seconds": 43.8 * US,
     "offload_host_seconds": 144.3 * US,
     "reload_host_seconds": 134.5 * US,
     "bucketed_offload_host_seconds": 22.9 * US,
@@ -91,9 +91,9 @@ CUDA_HOST = {
 }
 """Measured on the H200 machine's host (``python -m benchmarks.op_overhead --device
 cuda``): a kernel launch inside a compiled step, as the cost model counts launches (a
-stack twice as deep against the same stack; the step's buffer allocations, wrappers and
-autograd engine spread over its launches, about 3 times one kernel's cost in a bare
-chain; run 49); an offload with its wait
+stack twice as deep against the same stack: run 49's 4.91 ms more over the 112 more
+launches counted now; the step's buffer allocations, wrappers and autograd engine spread
+over its launches, about 3 times one kernel's cost in a bare chain); an offload with its wait
 and a reload with its wait, each moving one storage; what a further storage adds to
 each (run 38). Hosts differ: runs 31 to 38 measured one offload pair at 94 to 165 us."""
 

@@ -92,9 +92,9 @@ def test_the_host_issues_one_kernel_per_value_written_to_memory():
     assert costs.backward_launches == (0, 0, 1, 0)
 
 
-def _launched(fn, *shapes) -> list[str]:
+def _launched(fn, *shapes, tracing_mode: str = "fake") -> list[str]:
     """The nodes where the host issues a kernel, in ``fn``'s graph."""
-    graph = make_fx(fn, tracing_mode="fake")(*(torch.randn(s) for s in shapes)).graph
+    graph = make_fx(fn, tracing_mode=tracing_mode)(*(torch.randn(s) for s in shapes)).graph
     nodes = list(graph.nodes)
     return [n.name for n, launches in zip(nodes, kernel_launches(nodes), strict=True) if launches]
 
@@ -129,6 +129,34 @@ def test_values_of_one_size_computed_from_one_written_value_share_a_kernel():
     assert _launched(_two_gradients, (4, 4), (4, 4), (4, 4)) == ["mm", "mul", "mm_1", "mm_2"]
 
 
+def _gradient_and_sums(g, w):
+    d = torch.mm(g, w) * 2
+    return torch.mm(d, w), d.sum(0), d.sum(1)
+
+
+def test_a_sum_over_rows_is_a_kernel_of_its_own_and_a_sum_within_each_row_is_not():
+    # d (6x4) and its sum within each row share a loop; the sum over rows (a bias
+    # gradient's) runs in a kernel of its own, as Inductor's code does
+    assert _launched(_gradient_and_sums, (6, 4), (4, 4)) == ["mm", "mul", "mm_1", "sum_1"]
+
+
+def _inputs_two_ways(x, w):
+    return torch.mm(x * 2, w), torch.mm(x + 1, w)
+
+
+def test_values_of_one_size_computed_from_one_input_share_a_kernel():
+    assert _launched(_inputs_two_ways, (4, 6), (6, 6)) == ["mul", "mm", "mm_1"]
+
+
+def _broadcast(x, w, y):
+    r = torch.mm(x, w).relu()
+    return torch.mm(r, w), r.unsqueeze(-1) * y
+
+
+def test_a_value_and_its_broadcast_are_two_kernels():
+    assert _launched(_broadcast, (4, 6), (6, 6), (4, 6, 8)) == ["mm", "relu", "mm_1", "mul"]
+
+
 def _rotary(q, w):
     half = q.shape[-1] // 2
     rotated = torch.cat([-q[:, half:], q[:, :half]], dim=-1)
@@ -137,6 +165,20 @@ def _rotary(q, w):
 
 def test_concatenations_and_copies_fuse_as_pointwise_ops():
     assert _launched(_rotary, (4, 4), (4, 4)) == ["add", "mm"]
+
+
+@pytest.mark.parametrize(
+    ("fn", "shapes"),
+    [
+        (_rms_norm, [(6, 4), (4, 4)]),
+        (_two_gradients, [(6, 4), (4, 4), (6, 4)]),
+        (_gradient_and_sums, [(6, 4), (4, 4)]),
+        (_rotary, [(4, 6), (6, 6)]),  # its sizes are computed on the host: not kernels
+    ],
+)
+def test_symbolic_sizes_count_the_kernels_static_sizes_count(fn, shapes):
+    static = _launched(fn, *shapes)
+    assert _launched(fn, *shapes, tracing_mode="symbolic") == static
 
 
 def test_host_costs_are_zero_or_more_seconds():

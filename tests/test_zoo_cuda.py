@@ -64,3 +64,5 @@ def test_zoo_model_trains_on_cuda_like_stock_inductor(name, setting, stock_runs)
 
     zoo.assert_within(offloaded, stock, spread)
     assert all(zoo.compiled_symbolically(plan) for plan in backend.plans)
+    if "fraction" in SETTINGS[setting]:
+        assert sum(plan.bytes_moved for plan in backend.plans) > 0
