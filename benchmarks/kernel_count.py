@@ -71,7 +71,7 @@ def count(name: str, device: torch.device) -> dict[str, object]:
     kinds = device_work(forward, batch)
     task.zero_grad(set_to_none=True)
     plans = backend.plans
-    launches = sum(sum(p.costs.forward_launches) + sum(p.costs.backward_launches) for p in plans)
+    launches = sum(p.costs.launches for p in plans)
     return {
         "model": name,
         "chunks": len(plans),

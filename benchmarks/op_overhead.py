@@ -108,9 +108,7 @@ def step_host(device: torch.device, fraction: float, layers: int, steps: int) ->
         workloads.loss_of(compiled(x)).backward()
         seconds.append(time.perf_counter() - start)
     synchronize()
-    launches = sum(
-        sum(p.costs.forward_launches) + sum(p.costs.backward_launches) for p in backend.plans
-    )
+    launches = sum(p.costs.launches for p in backend.plans)
     moved = sum(len(p.moved) for p in backend.plans)
     return StepHost(statistics.median(seconds[3:]), moved, launches)
 

@@ -63,6 +63,11 @@ class ChunkCosts:
     def num_forward(self) -> int:
         return len(self.forward_seconds)
 
+    @property
+    def launches(self) -> int:
+        """Kernels the host issues in one step of the chunk."""
+        return sum(self.forward_launches) + sum(self.backward_launches)
+
     def offload_seconds(self, nbytes: int) -> float:
         return nbytes / self.profile.device_to_host
 

@@ -90,6 +90,7 @@ def test_the_host_issues_one_kernel_per_value_written_to_memory():
     assert costs.forward_launches == (0, 0, 1, 0, 1, 0)
     # backward: y, tangent, mul, output
     assert costs.backward_launches == (0, 0, 1, 0)
+    assert costs.launches == 3
 
 
 def _launched(fn, *shapes, tracing_mode: str = "fake") -> list[str]:
