@@ -1,9 +1,11 @@
 """What the host issues in a compiled step, against what the cost model counts: each zoo
-model compiled whole at fraction 0 (nothing moves, the stock graph), its kernels per step
-on the device (a profiler trace), the host's time to issue a step (the device held busy,
-``measure.host_seconds``), and the plan's launches and predicted host time and step.
+model (and the small decoder stack at a few depths) compiled whole at fraction 0 (nothing
+moves, the stock graph), its kernels per step on the device (a profiler trace), the calls
+in the code Inductor generated for it by kind, the host's time to issue a step (the device
+held busy, ``measure.host_seconds``), and the plan's launches and predicted host time and
+step. With ``--out``, the generated code and the table as JSON are written there.
 
-    python -m benchmarks.kernel_count [--models mixtral llama gpt2 vit_b16]
+    python -m benchmarks.kernel_count [--models mixtral llama gpt2 vit_b16] [--stacks 4 8]
 
 CUDA only. A library call can launch several kernels (cuBLAS's split-K reductions,
 cuDNN's attention), so the device's count is an upper bound of the host's launches.
@@ -13,18 +15,62 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
+import json
+import re
 import statistics
+from collections.abc import Callable
+from pathlib import Path
 
 import tabulate
 import torch
+from torch import nn
+from torch._inductor.utils import run_and_get_code
 from torch.profiler import ProfilerActivity, profile
 
 import offload_pass
-from benchmarks import zoo
+from benchmarks import workloads, zoo
 from benchmarks.measure import host_seconds
 
 WARMUP_STEPS = 4
-TIMED_STEPS = 5
+TIMED_STEPS = 7
+
+CALL_KINDS = {
+    "triton": re.compile(r"^\s*\w+\.run\("),
+    "extern": re.compile(r"extern_kernels\.\w+\("),
+    "aten": re.compile(r"^\s*(\w+ = )?torch\.ops\.aten\.\w+"),
+    "allocations": re.compile(r"empty_strided\w*\("),
+    "reinterprets": re.compile(r"reinterpret_tensor\("),
+    "asserts": re.compile(r"assert_(size_stride|alignment)\("),
+}
+"""Host-side calls in the code Inductor generates, by kind, as its wrapper spells them."""
+
+
+def calls_in_code(code: str) -> collections.Counter:
+    """Calls of each kind in the generated module's ``call`` function."""
+    body = code.partition("def call(")[2].partition("\ndef ")[0]
+    return collections.Counter(
+        kind for line in body.splitlines() for kind, call in CALL_KINDS.items() if call.search(line)
+    )
+
+
+class _StackLoss(nn.Module):
+    def __init__(self, stack: nn.Module) -> None:
+        super().__init__()
+        self.stack = stack
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return workloads.loss_of(self.stack(x))
+
+
+def stack_task(layers: int) -> Callable[[torch.device], tuple[nn.Module, torch.Tensor]]:
+    """The small decoder stack at ``layers`` blocks, with its loss."""
+
+    def build(device: torch.device) -> tuple[nn.Module, torch.Tensor]:
+        stack, x = workloads.build(dataclasses.replace(workloads.TINY, layers=layers), device)
+        return _StackLoss(stack), x
+
+    return build
 
 
 def device_work(forward, batch) -> collections.Counter:
@@ -50,35 +96,48 @@ def step_seconds(forward, batch) -> float:
     return start.elapsed_time(end) / 1e3
 
 
-def count(name: str, device: torch.device) -> dict[str, object]:
+def count(name: str, build, device: torch.device, code_dir: Path | None) -> dict[str, object]:
     torch.compiler.reset()
-    task, batch = zoo.MODELS[name].build(device)
+    task, batch = build(device)
     backend = offload_pass.backend(fraction=0.0)
     forward = torch.compile(task, backend=backend)
 
-    def timed(measure):
+    def timed(measure) -> list[float]:
         values = []
         for _ in range(TIMED_STEPS):
             values.append(measure(forward, batch))
             task.zero_grad(set_to_none=True)
-        measured = [v for v in values if v is not None]
-        return statistics.median(measured) if measured else float("nan")
+        return [v for v in values if v is not None] or [float("nan")]
 
+    _, codes = run_and_get_code(lambda: forward(batch).backward())
+    task.zero_grad(set_to_none=True)
     for _ in range(WARMUP_STEPS):
         forward(batch).backward()
         task.zero_grad(set_to_none=True)
-    host, step = timed(lambda f, b: host_seconds(f, b, device)), timed(step_seconds)
+    hosts = timed(lambda f, b: host_seconds(f, b, device))
+    host, step = statistics.median(hosts), statistics.median(timed(step_seconds))
     kinds = device_work(forward, batch)
     task.zero_grad(set_to_none=True)
+    if code_dir is not None:
+        for i, code in enumerate(codes):
+            (code_dir / f"{name}_{i}.py").write_text(code)
+    calls = sum((calls_in_code(c) for c in codes), collections.Counter())
     plans = backend.plans
     launches = sum(p.costs.launches for p in plans)
+    graph_inputs = sum(
+        n.op == "placeholder" for p in plans for g in (p.forward, p.backward) for n in g.graph.nodes
+    )
     return {
         "model": name,
         "chunks": len(plans),
         "launches counted": launches,
+        **{f"code {kind}": calls[kind] for kind in CALL_KINDS},
+        "graph inputs": graph_inputs,
         "device kernels": kinds["kernel"],
         "memsets": kinds["memset"],
         "host ms": host * 1e3,
+        "host ms min": min(hosts) * 1e3,
+        "host ms max": max(hosts) * 1e3,
         "pred host ms": sum(p.prediction.host_seconds for p in plans) * 1e3,
         "step ms": step * 1e3,
         "pred step ms": sum(p.prediction.step_seconds for p in plans) * 1e3,
@@ -88,12 +147,24 @@ def count(name: str, device: torch.device) -> dict[str, object]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["mixtral", "llama", "gpt2", "vit_b16"])
+    parser.add_argument("--models", nargs="*", default=["mixtral", "llama", "gpt2", "vit_b16"])
+    parser.add_argument("--stacks", nargs="*", type=int, default=[], help="stack depths")
+    parser.add_argument("--out", type=Path, help="where the code and the JSON table go")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
-    rows = [count(name, torch.device("cuda")) for name in args.models]
+    code_dir = args.out / "code" if args.out else None
+    if code_dir is not None:
+        code_dir.mkdir(parents=True, exist_ok=True)
+    tasks = {name: zoo.MODELS[name].build for name in args.models}
+    tasks |= {f"stack{layers}": stack_task(layers) for layers in args.stacks}
+    rows = []
+    for name, build in tasks.items():
+        rows.append(count(name, build, torch.device("cuda"), code_dir))
+        print(tabulate.tabulate(rows[-1:], headers="keys", floatfmt=".2f"), flush=True)
     print(tabulate.tabulate(rows, headers="keys", floatfmt=".2f"))
+    if args.out:
+        (args.out / "kernel_count.json").write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
