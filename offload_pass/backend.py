@@ -117,7 +117,11 @@ def backend(
             or a mapping from module-path patterns (``"blocks.*.attn"``, relative to the
             module given to ``torch.compile``) to shares, the last listed match deciding.
         memory_budget: the predicted peak to get under, per compiled chunk: bytes (int),
-            or a share in (0, 1] of the predicted peak without offloading (float).
+            or a share in (0, 1] of the predicted peak without offloading (float). Where
+            moving alone would slow the predicted step by more than ``stall_tolerance``,
+            the graph is also split with the stock partitioner recomputing more
+            (:data:`offload_pass.joint.RECOMPUTE_LEVELS`), and the plan predicted fastest
+            that meets the budget is kept (``Plan.recompute_budget`` says which split).
         stall_tolerance: in ``auto`` mode, the share of the step that waiting on copies
             may add, in [0, 1]; a copy is waited for only where it lowers the predicted
             peak.
@@ -134,7 +138,8 @@ def backend(
         recompute_budget: torch's ``activation_memory_budget`` for these graphs, in
             (0, 1]: the stock partitioner first recomputes what is cheapest to recompute
             until the saved activations fit that share, and offload_pass plans what is
-            left. None keeps ``torch._functorch.config.activation_memory_budget``.
+            left. None keeps ``torch._functorch.config.activation_memory_budget``, or,
+            with ``memory_budget``, lets the pass choose; 1.0 moves without recomputing.
     """
     options = OffloadOptions(
         fraction=fraction,

@@ -8,26 +8,28 @@
     rewrite  the transfer ops, inserted into both graphs                      (rewrite.py)
 
 Each stage reads the data the ones before it made; only ``order`` and ``rewrite`` edit
-the graphs. The partitioner (partition.py) calls :func:`offload_chunk` on the stock
-min-cut partition of every graph torch.compile hands the backend.
+the graphs. :func:`plan_chunk` runs the stages up to the rewrite, so that several
+partitions of one graph can be planned and one kept (joint.py); :func:`rewrite_chunk`
+rewrites the one kept.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from offload_pass.analysis import SavedGroup, find_saved_groups
 from offload_pass.bucket import bucket_transfers
 from offload_pass.calibration import profile_for
-from offload_pass.costs import estimate_costs
+from offload_pass.costs import ChunkCosts, estimate_costs
 from offload_pass.graphs import ChunkGraphs
 from offload_pass.options import FractionRule, OffloadOptions
 from offload_pass.order import free_memory_early, resident_inputs
 from offload_pass.plan import Plan
-from offload_pass.planner import Request, plan_offloads
+from offload_pass.planner import ChunkPlan, Request, plan_offloads
 from offload_pass.rewrite import insert_transfers
 from offload_pass.timing import timer_for
 
@@ -58,10 +60,23 @@ class _StageClock:
         self.seconds[name] = time.perf_counter() - start
 
 
-def offload_chunk(
-    chunk: ChunkGraphs, options: OffloadOptions, rule: FractionRule, name: str
-) -> Plan:
-    """Run every stage on ``chunk``, rewriting its graphs in place; the plan made.
+@dataclasses.dataclass(frozen=True)
+class PlannedChunk:
+    """One partition of a chunk, planned and not yet rewritten. ``recompute_budget``: the
+    partitioner's ``activation_memory_budget`` it was made under (None: torch's setting);
+    ``stage_seconds``: what each stage took so far."""
+
+    chunk: ChunkGraphs
+    costs: ChunkCosts
+    planned: ChunkPlan
+    recompute_budget: float | None
+    stage_seconds: Mapping[str, float]
+
+
+def plan_chunk(
+    chunk: ChunkGraphs, options: OffloadOptions, rule: FractionRule, recompute_budget: float | None
+) -> PlannedChunk:
+    """Every stage but the rewrite on ``chunk`` (``order`` edits its backward in place).
     ``rule``: the shares in force when the graph began to compile."""
     clock = _StageClock()
     with clock.stage("order"):
@@ -76,16 +91,41 @@ def offload_chunk(
     with clock.stage("plan"):
         request = request_for(groups, options, rule)
         planned = plan_offloads(groups, costs, request)
-    if planned.budget_shortfall:
-        warnings.warn(
-            f"offload_pass: {name} cannot meet memory_budget={planned.budget_bytes:,} bytes; "
-            f"moving every candidate, its predicted peak is {planned.budget_shortfall:,} "
-            "bytes over",
-            stacklevel=2,
-        )
     with clock.stage("bucket"):
         planned = bucket_transfers(planned, costs, request.stall_tolerance, request.in_flight)
+    return PlannedChunk(chunk, costs, planned, recompute_budget, clock.seconds)
+
+
+def rewrite_chunk(planned: PlannedChunk, name: str) -> Plan:
+    """Insert the planned transfers into the chunk's graphs; the plan made."""
+    if planned.planned.budget_shortfall:
+        warnings.warn(
+            f"offload_pass: {name} cannot meet memory_budget={planned.planned.budget_bytes:,} "
+            f"bytes; its predicted peak is {planned.planned.budget_shortfall:,} bytes over",
+            stacklevel=2,
+        )
+    clock = _StageClock()
     with clock.stage("rewrite"):
-        moved = [d.group for d in planned.decisions if d.moved]
-        insert_transfers(chunk, moved, planned.transfers)
-    return Plan(name, costs, planned, chunk.forward, chunk.backward, clock.seconds)
+        moved = [d.group for d in planned.planned.decisions if d.moved]
+        insert_transfers(planned.chunk, moved, planned.planned.transfers)
+    chunk = planned.chunk
+    return Plan(
+        name,
+        planned.costs,
+        planned.planned,
+        chunk.forward,
+        chunk.backward,
+        {**planned.stage_seconds, **clock.seconds},
+        planned.recompute_budget,
+    )
+
+
+def offload_chunk(
+    chunk: ChunkGraphs,
+    options: OffloadOptions,
+    rule: FractionRule,
+    name: str,
+    recompute_budget: float | None = None,
+) -> Plan:
+    """Every stage on ``chunk``, rewriting its graphs in place; the plan made."""
+    return rewrite_chunk(plan_chunk(chunk, options, rule, recompute_budget), name)

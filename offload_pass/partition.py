@@ -1,5 +1,6 @@
 """The partition step: the stock min-cut partitioner, then the pass on its graphs
-(driver.py), in the place Inductor and AOTAutograd call a partitioner."""
+(driver.py; for a memory budget, on several splits, joint.py), in the place Inductor and
+AOTAutograd call a partitioner."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from typing import Any
 import torch.fx
 
 from offload_pass import _compat, dump
-from offload_pass.driver import offload_chunk
+from offload_pass.driver import rewrite_chunk
 from offload_pass.graphs import ChunkGraphs
+from offload_pass.joint import plan_jointly
 from offload_pass.options import FractionRule, OffloadOptions
 from offload_pass.plan import Plan
 
@@ -33,15 +35,17 @@ class OffloadPartitioner(_compat.PartitionerBase):
     def __call__(
         self, joint: torch.fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
     ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
-        forward, backward = map(
-            _compat.lazy_graph_module,
-            _compat.stock_partition(joint, joint_inputs, self.options.recompute_budget, **kwargs),
-        )
-        chunk = ChunkGraphs(forward, backward, kwargs["num_fwd_outputs"])
-        plan = offload_chunk(chunk, self.options, self.rule, self.name)
+        def partition(recompute_budget: float | None) -> ChunkGraphs:
+            forward, backward = map(
+                _compat.lazy_graph_module,
+                _compat.stock_partition(joint, joint_inputs, recompute_budget, **kwargs),
+            )
+            return ChunkGraphs(forward, backward, kwargs["num_fwd_outputs"])
+
+        plan = rewrite_chunk(plan_jointly(partition, self.options, self.rule), self.name)
         dump.record(plan, dump.dump_dir(self.options.dump_dir))
         self.on_plan(plan)
-        return forward, backward
+        return plan.forward, plan.backward
 
     def uuid(self) -> None:
         return None

@@ -24,6 +24,9 @@ class Plan:
     ``print(plan)`` shows the report (see :mod:`offload_pass.report`).
     ``stage_seconds``: what each stage of the pass took on this chunk (order, analyse,
     costs, plan, bucket, rewrite), the compile time the pass adds before the compiler's own.
+    ``recompute_budget``: the partitioner's ``activation_memory_budget`` the graphs were
+    split under (None: torch's setting), chosen by the options or by the joint search of
+    a memory budget (:mod:`offload_pass.joint`).
     """
 
     chunk: str
@@ -32,6 +35,7 @@ class Plan:
     forward: torch.fx.GraphModule
     backward: torch.fx.GraphModule
     stage_seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    recompute_budget: float | None = None
 
     @property
     def profile(self) -> DeviceProfile:

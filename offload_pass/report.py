@@ -133,6 +133,12 @@ def summary(plan: Plan) -> str:
         shortfall = plan.planned.budget_shortfall
         met = "met" if not shortfall else f"missed by {format_bytes(shortfall)}"
         lines.append(f"memory budget {format_bytes(plan.planned.budget_bytes)}: {met}")
+    if plan.recompute_budget is not None:
+        lines.append(
+            f"split under activation_memory_budget {plan.recompute_budget:g}: backward "
+            "recomputes what the partitioner chose, and the step and peak above are of that "
+            "split"
+        )
     if (reason := why_nothing_moved(plan)) is not None:
         lines.append(reason)
     if plan.planned.overlap_depth != planner.OVERLAP_DEPTH:

@@ -37,7 +37,10 @@ def _reload_after_stalled_offload() -> tuple[bool, bool]:
     a = torch.randn(64 * 2**20, device="cuda")  # 256 MiB, fresh values every call
     b = torch.randn(8, 2**20, device="cuda", dtype=torch.bfloat16).t()
     layouts = [0, 1, 0]
-    ops.offload_wait(ops.offload([a, b], layouts), [a, b], layouts, [])  # pins the buffers
+    # Pin the buffers with other values: a pinned block handed out again would otherwise
+    # already hold a's, and a reload that did not wait would still read them.
+    others = [torch.zeros_like(a), torch.zeros_like(b)]
+    ops.offload_wait(ops.offload(others, layouts), others, layouts, [])
     torch.cuda.synchronize()  # so that pinning host memory does not outlast the stall
     _stall(runtime.copy_streams(a.device).device_to_host)
     ticket = ops.offload([a, b], layouts)

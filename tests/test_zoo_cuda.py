@@ -63,6 +63,10 @@ def test_zoo_model_trains_on_cuda_like_stock_inductor(name, setting, stock_runs)
     offloaded = zoo.train(copy.deepcopy(model), entry, backend, "cuda")
 
     zoo.assert_within(offloaded, stock, spread)
-    assert all(zoo.compiled_symbolically(plan) for plan in backend.plans)
+    # Where the model breaks its graph (Mixtral's expert routing, on CUDA), the graphs after
+    # a break first compile at static sizes: Dynamo marks their inputs dynamic only once
+    # they change. The first graph is symbolic from its first compile.
+    symbolic = [zoo.compiled_symbolically(plan) for plan in backend.plans]
+    assert symbolic[0]
     if "fraction" in SETTINGS[setting]:
-        assert sum(plan.bytes_moved for plan in backend.plans) > 0
+        assert any(s and p.bytes_moved for s, p in zip(symbolic, backend.plans, strict=True))
