@@ -3,11 +3,12 @@
 Offloading lowers the peak only as far as the copies hide under compute; past that,
 every byte more waits on PCIe. Recomputing costs compute instead. Where the offload plan
 of the stock partition does not meet ``memory_budget`` within ``stall_tolerance`` of the
-step with nothing moved, the stock partitioner splits the graph again under each of
-``RECOMPUTE_LEVELS`` (torch's ``activation_memory_budget``: it recomputes in backward
-what is cheapest to recompute until the saved activations fit that share), the pass plans
-each split's offloads for the same budget in bytes, and the plan predicted fastest among
-those that meet it is kept; where none meets it, the one predicted nearest. The cost model
+step with nothing moved, the stock partitioner splits the graph again under
+``RECOMPUTE_LEVELS`` in turn (torch's ``activation_memory_budget``: it recomputes in
+backward what is cheapest to recompute until the saved activations fit that share), the
+pass plans each split's offloads for the same budget in bytes, and the search stops at the
+first plan that meets the budget within the tolerance. It keeps the plan predicted fastest
+among those that meet it; where none does, the one predicted nearest. The cost model
 prices the recomputed nodes in backward like any other, so one simulation compares
 moving, recomputing and both.
 """
@@ -31,24 +32,24 @@ setting)."""
 
 def plan_jointly(partition: Partition, options: OffloadOptions, rule: FractionRule) -> PlannedChunk:
     """The planned split of the chunk: under ``options.recompute_budget`` where given; for
-    a memory budget, the fastest split that meets it (module docstring); else the stock
-    split."""
+    a memory budget, the fastest split found that meets it (module docstring); else the
+    stock split."""
     fixed = options.recompute_budget
     if options.memory_budget is None or fixed is not None:
         return plan_chunk(partition(fixed), options, rule, fixed)
-    stock = plan_chunk(partition(None), options, rule, None)
-    if _met_within_tolerance(stock, options.stall_tolerance):
-        return stock
+    best = stock = plan_chunk(partition(None), options, rule, None)
+    slowest = stock.planned.prediction.baseline_seconds * (1 + options.stall_tolerance)
     in_bytes = dataclasses.replace(options, memory_budget=stock.planned.budget_bytes)
-    tried = [stock] + [
-        plan_chunk(partition(level), in_bytes, rule, level) for level in RECOMPUTE_LEVELS
-    ]
-    return min(tried, key=_shortfall_then_step)
+    for level in RECOMPUTE_LEVELS:
+        if _meets_budget_by(best, slowest):
+            break
+        tried = plan_chunk(partition(level), in_bytes, rule, level)
+        best = min(best, tried, key=_shortfall_then_step)
+    return best
 
 
-def _met_within_tolerance(planned: PlannedChunk, tolerance: float) -> bool:
+def _meets_budget_by(planned: PlannedChunk, slowest: float) -> bool:
     prediction = planned.planned.prediction
-    slowest = prediction.baseline_seconds * (1 + tolerance)
     return not planned.planned.budget_shortfall and prediction.step_seconds <= slowest
 
 
