@@ -54,21 +54,12 @@ def calls_in_code(code: str) -> collections.Counter:
     )
 
 
-class _StackLoss(nn.Module):
-    def __init__(self, stack: nn.Module) -> None:
-        super().__init__()
-        self.stack = stack
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return workloads.loss_of(self.stack(x))
-
-
 def stack_task(layers: int) -> Callable[[torch.device], tuple[nn.Module, torch.Tensor]]:
     """The small decoder stack at ``layers`` blocks, with its loss."""
 
     def build(device: torch.device) -> tuple[nn.Module, torch.Tensor]:
         stack, x = workloads.build(dataclasses.replace(workloads.TINY, layers=layers), device)
-        return _StackLoss(stack), x
+        return workloads.WithLoss(stack), x
 
     return build
 

@@ -1,0 +1,57 @@
+"""What a memory budget's plan predicts on each split the joint search may try: the
+stock partition, then the partitioner recomputing more (``offload_pass.joint``), each
+planned for the same budget in bytes, and the split the search keeps. Planned on the CPU
+(nothing runs; ``offload_pass.explain``) with the H200 profile.
+
+    python -m benchmarks.recompute_levels --workload W1 --budget-gib 7.35
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import tabulate
+import torch
+
+import offload_pass
+from benchmarks import workloads
+from offload_pass.joint import RECOMPUTE_LEVELS
+
+GiB = 2**30
+
+
+def planned(task: torch.nn.Module, x: torch.Tensor, **options: object) -> dict[str, object]:
+    torch.compiler.reset()
+    (plan,) = offload_pass.explain(task, x, profile="h200", **options).plans
+    p = plan.prediction
+    return {
+        "split": "stock" if plan.recompute_budget is None else plan.recompute_budget,
+        "peak GiB, nothing moved": p.baseline_peak_bytes / GiB,
+        "peak GiB": p.peak_bytes / GiB,
+        "over budget GiB": plan.planned.budget_shortfall / GiB,
+        "step ms, nothing moved": p.baseline_seconds * 1e3,
+        "step ms": p.step_seconds * 1e3,
+        "saved GiB": plan.bytes_saved_for_backward / GiB,
+        "moved GiB": plan.bytes_moved / GiB,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="W1", choices=list(workloads.BY_NAME))
+    parser.add_argument("--budget-gib", type=float, required=True)
+    args = parser.parse_args()
+    model, x = workloads.build(workloads.BY_NAME[args.workload], "cpu")
+    task = workloads.WithLoss(model)
+    budget = int(args.budget_gib * GiB)
+    rows = [
+        planned(task, x, memory_budget=budget, recompute_budget=level)
+        for level in (1.0, *RECOMPUTE_LEVELS)
+    ]
+    kept = planned(task, x, memory_budget=budget)
+    rows.append({**kept, "split": f"kept: {kept['split']}"})
+    print(tabulate.tabulate(rows, headers="keys", floatfmt=".2f"))
+
+
+if __name__ == "__main__":
+    main()
