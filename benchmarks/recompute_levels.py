@@ -36,11 +36,11 @@ def planned(task: torch.nn.Module, x: torch.Tensor, **options: object) -> dict[s
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="W1", choices=list(workloads.BY_NAME))
     parser.add_argument("--budget-gib", type=float, required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     model, x = workloads.build(workloads.BY_NAME[args.workload], "cpu")
     task = workloads.WithLoss(model)
     budget = int(args.budget_gib * GiB)
@@ -51,6 +51,7 @@ def main() -> None:
     kept = planned(task, x, memory_budget=budget)
     rows.append({**kept, "split": f"kept: {kept['split']}"})
     print(tabulate.tabulate(rows, headers="keys", floatfmt=".2f"))
+    return rows
 
 
 if __name__ == "__main__":

@@ -297,3 +297,45 @@ def test_a_failed_compile_is_reported_by_the_exception_it_wraps():
             raise Wrapper(inner) from None
     except Wrapper as error:
         assert _root_cause(error) == "ValueError: shapes are incompatible"
+
+
+def test_recompute_levels_plans_each_split_and_names_the_one_kept():
+    from benchmarks import recompute_levels
+    from offload_pass.joint import RECOMPUTE_LEVELS
+
+    rows = recompute_levels.main(["--workload", "tiny", "--budget-gib", "0.0001"])
+    assert [r["split"] for r in rows[:-1]] == [1.0, *RECOMPUTE_LEVELS]
+    kept = rows[-1]
+    assert str(kept["split"]).startswith("kept: ")
+    same = {k: v for k, v in kept.items() if k != "split"}
+    assert any(same == {k: v for k, v in r.items() if k != "split"} for r in rows[:-1])
+
+
+def test_kernel_count_reads_the_calls_of_inductors_wrapper_by_kind():
+    from benchmarks.kernel_count import calls_in_code
+
+    code = """
+def triton_kernel_source():
+    extern_kernels.mm(a, b, out=c)
+
+def call(args):
+    primals_1, = args
+    assert_size_stride(primals_1, (8, 8), (8, 1), 'torch.ops.aten.mm.default')
+    buf0 = empty_strided_cuda((8, 8), (8, 1), torch.float32)
+    extern_kernels.mm(primals_1, reinterpret_tensor(primals_1, (8, 8), (1, 8), 0), out=buf0)
+    triton_poi_fused_relu_0.run(buf0, 64, stream=stream0)
+    buf1 = torch.ops.aten._scaled_dot_product_flash_attention.default(buf0, buf0, buf0)
+    return (buf0, )
+
+def benchmark_compiled_module():
+    triton_poi_fused_relu_0.run(x, 64)
+"""
+    calls = calls_in_code(code)
+    assert calls == {
+        "asserts": 1,
+        "allocations": 1,
+        "extern": 1,
+        "reinterprets": 1,
+        "triton": 1,
+        "aten": 1,
+    }
