@@ -10,12 +10,14 @@ pass plans each split's offloads for the same budget in bytes, and the search st
 first plan that meets the budget within the tolerance. It keeps the plan predicted fastest
 among those that meet it; where none does, the one predicted nearest. The cost model
 prices the recomputed nodes in backward like any other, so one simulation compares
-moving, recomputing and both.
+moving, recomputing and both. The kept plan's ``stage_seconds`` carry the seconds spent
+splitting and planning the splits not kept (``"search"``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 
 from offload_pass.driver import PlannedChunk, plan_chunk
@@ -40,12 +42,16 @@ def plan_jointly(partition: Partition, options: OffloadOptions, rule: FractionRu
     best = stock = plan_chunk(partition(None), options, rule, None)
     slowest = stock.planned.prediction.baseline_seconds * (1 + options.stall_tolerance)
     in_bytes = dataclasses.replace(options, memory_budget=stock.planned.budget_bytes)
+    seconds: dict[float | None, float] = {}
     for level in RECOMPUTE_LEVELS:
         if _meets_budget_by(best, slowest):
             break
+        start = time.perf_counter()
         tried = plan_chunk(partition(level), in_bytes, rule, level)
+        seconds[level] = time.perf_counter() - start
         best = min(best, tried, key=_shortfall_then_step)
-    return best
+    searched = sum(s for level, s in seconds.items() if level != best.recompute_budget)
+    return dataclasses.replace(best, stage_seconds={**best.stage_seconds, "search": searched})
 
 
 def _meets_budget_by(planned: PlannedChunk, slowest: float) -> bool:

@@ -23,7 +23,8 @@ class Plan:
     lowers them; ``print(plan.forward.code)`` shows every offload, wait and reload.
     ``print(plan)`` shows the report (see :mod:`offload_pass.report`).
     ``stage_seconds``: what each stage of the pass took on this chunk (order, analyse,
-    costs, plan, bucket, rewrite), the compile time the pass adds before the compiler's own.
+    costs, plan, bucket, rewrite; under a memory budget also ``search``, the splits tried
+    and not kept), the compile time the pass adds before the compiler's own.
     ``recompute_budget``: the partitioner's ``activation_memory_budget`` the graphs were
     split under (None: torch's setting), chosen by the options or by the joint search of
     a memory budget (:mod:`offload_pass.joint`).

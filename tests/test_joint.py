@@ -52,6 +52,8 @@ def test_a_budget_moving_meets_only_slowly_is_met_faster_by_recomputing():
     assert joint.planned.budget_bytes == moving_alone.planned.budget_bytes
     assert joint.prediction.step_seconds < moving_alone.prediction.step_seconds
     assert "split under activation_memory_budget" in str(joint)
+    assert list(joint.stage_seconds)[-2:] == ["search", "rewrite"]
+    assert joint.stage_seconds["search"] >= 0
 
 
 def test_a_budget_met_with_nothing_moved_keeps_the_stock_split():
