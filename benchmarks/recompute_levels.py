@@ -18,6 +18,7 @@ from benchmarks import workloads
 from offload_pass.joint import RECOMPUTE_LEVELS
 
 GiB = 2**30
+MiB = 2**20
 
 
 def planned(task: torch.nn.Module, x: torch.Tensor, **options: object) -> dict[str, object]:
@@ -26,13 +27,13 @@ def planned(task: torch.nn.Module, x: torch.Tensor, **options: object) -> dict[s
     p = plan.prediction
     return {
         "split": "stock" if plan.recompute_budget is None else plan.recompute_budget,
-        "peak GiB, nothing moved": p.baseline_peak_bytes / GiB,
-        "peak GiB": p.peak_bytes / GiB,
-        "over budget GiB": plan.planned.budget_shortfall / GiB,
+        "peak MiB, nothing moved": p.baseline_peak_bytes / MiB,
+        "peak MiB": p.peak_bytes / MiB,
+        "over budget MiB": plan.planned.budget_shortfall / MiB,
         "step ms, nothing moved": p.baseline_seconds * 1e3,
         "step ms": p.step_seconds * 1e3,
-        "saved GiB": plan.bytes_saved_for_backward / GiB,
-        "moved GiB": plan.bytes_moved / GiB,
+        "saved MiB": plan.bytes_saved_for_backward / MiB,
+        "moved MiB": plan.bytes_moved / MiB,
     }
 
 
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     ]
     kept = planned(task, x, memory_budget=budget)
     rows.append({**kept, "split": f"kept: {kept['split']}"})
-    print(tabulate.tabulate(rows, headers="keys", floatfmt=".2f"))
+    print(tabulate.tabulate(rows, headers="keys", floatfmt=".3f"))
     return rows
 
 

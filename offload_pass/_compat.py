@@ -66,6 +66,39 @@ def stock_partition(
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
+def activation_memory_budget() -> float:
+    """The partitioner's own recompute budget (``torch._functorch.config``)."""
+    from torch._functorch import config
+
+    return config.activation_memory_budget
+
+
+def partitions_sync_across_ranks() -> bool:
+    """Whether the partitioner agrees its choices across ranks, each call a collective."""
+    from torch._functorch import config
+
+    return bool(getattr(config, "_sync_decision_cross_ranks", False))
+
+
+def _region_budget(node: torch.fx.Node) -> float | None:
+    """The budget ``torch.autograd.graph.region_activation_memory_budget`` wrote on the node
+    (torch >= 2.13; earlier versions have no such regions)."""
+    try:
+        from torch.fx.traceback import _get_memory_budget_annotation
+    except ImportError:
+        return None
+    return _get_memory_budget_annotation(node)
+
+
+def budget_annotated(joint: torch.fx.GraphModule) -> bool:
+    """Whether nodes of the joint graph carry their own recompute budget (a region's, or
+    the older per-node ``memory_budget``), which the partitioner takes over its setting."""
+    return any(
+        isinstance(n.meta.get("memory_budget"), float) or _region_budget(n) is not None
+        for n in joint.graph.nodes
+    )
+
+
 def inductor_config(mode: str | None, options: dict[str, Any] | None) -> dict[str, Any]:
     """The Inductor settings ``torch.compile(mode=..., options=...)`` stands for, checked
     as torch.compile checks them for its own Inductor backend."""

@@ -118,13 +118,14 @@ def backend(
             module given to ``torch.compile``) to shares, the last listed match deciding.
         memory_budget: the predicted peak to get under, per compiled chunk: bytes (int),
             or a share in (0, 1] of the predicted peak without offloading (float). Where
-            moving alone would slow the predicted step by more than ``stall_tolerance``,
-            the graph is also split with the stock partitioner recomputing more
-            (:data:`offload_pass.joint.RECOMPUTE_LEVELS`), and the plan predicted fastest
-            that meets the budget is kept (``Plan.recompute_budget`` says which split).
-        stall_tolerance: in ``auto`` mode, the share of the step that waiting on copies
-            may add, in [0, 1]; a copy is waited for only where it lowers the predicted
-            peak.
+            moving alone misses it, or meets it only by slowing the predicted step by
+            more than ``stall_tolerance``, the graph is also split with the stock
+            partitioner recomputing more (:mod:`offload_pass.joint`), and the plan that
+            meets the budget predicted fastest, else the nearest, is kept
+            (``Plan.recompute_budget`` says which split).
+        stall_tolerance: the share of the step that waiting on copies may add, in
+            [0, 1]: in ``auto`` mode, what moves; under ``memory_budget``, when recomputing
+            is tried. A copy is waited for only where it lowers the predicted peak.
         profile: the device rates to plan with: a :class:`DeviceProfile`, a built-in
             name (``"h200"``, ``"h100"``, ``"a100"``, ``"cpu"``), ``"calibrate"`` to
             measure the CUDA device once per process, or None to pick by device name.
@@ -139,7 +140,8 @@ def backend(
             (0, 1]: the stock partitioner first recomputes what is cheapest to recompute
             until the saved activations fit that share, and offload_pass plans what is
             left. None keeps ``torch._functorch.config.activation_memory_budget``, or,
-            with ``memory_budget``, lets the pass choose; 1.0 moves without recomputing.
+            with ``memory_budget``, lets the pass choose a lower one; giving one fixes the
+            split (1.0: the stock split, which recomputes only cheap fusible ops).
     """
     options = OffloadOptions(
         fraction=fraction,

@@ -69,13 +69,11 @@ class PlannedChunk:
     chunk: ChunkGraphs
     costs: ChunkCosts
     planned: ChunkPlan
-    recompute_budget: float | None
     stage_seconds: Mapping[str, float]
+    recompute_budget: float | None = None
 
 
-def plan_chunk(
-    chunk: ChunkGraphs, options: OffloadOptions, rule: FractionRule, recompute_budget: float | None
-) -> PlannedChunk:
+def plan_chunk(chunk: ChunkGraphs, options: OffloadOptions, rule: FractionRule) -> PlannedChunk:
     """Every stage but the rewrite on ``chunk`` (``order`` edits its backward in place).
     ``rule``: the shares in force when the graph began to compile."""
     clock = _StageClock()
@@ -93,7 +91,7 @@ def plan_chunk(
         planned = plan_offloads(groups, costs, request)
     with clock.stage("bucket"):
         planned = bucket_transfers(planned, costs, request.stall_tolerance, request.in_flight)
-    return PlannedChunk(chunk, costs, planned, recompute_budget, clock.seconds)
+    return PlannedChunk(chunk, costs, planned, clock.seconds)
 
 
 def rewrite_chunk(planned: PlannedChunk, name: str) -> Plan:
@@ -121,11 +119,7 @@ def rewrite_chunk(planned: PlannedChunk, name: str) -> Plan:
 
 
 def offload_chunk(
-    chunk: ChunkGraphs,
-    options: OffloadOptions,
-    rule: FractionRule,
-    name: str,
-    recompute_budget: float | None = None,
+    chunk: ChunkGraphs, options: OffloadOptions, rule: FractionRule, name: str
 ) -> Plan:
     """Every stage on ``chunk``, rewriting its graphs in place; the plan made."""
-    return rewrite_chunk(plan_chunk(chunk, options, rule, recompute_budget), name)
+    return rewrite_chunk(plan_chunk(chunk, options, rule), name)

@@ -12,7 +12,7 @@ import torch.fx
 from offload_pass import _compat, dump
 from offload_pass.driver import rewrite_chunk
 from offload_pass.graphs import ChunkGraphs
-from offload_pass.joint import plan_jointly
+from offload_pass.joint import plan_jointly, search_levels
 from offload_pass.options import FractionRule, OffloadOptions
 from offload_pass.plan import Plan
 
@@ -42,7 +42,8 @@ class OffloadPartitioner(_compat.PartitionerBase):
             )
             return ChunkGraphs(forward, backward, kwargs["num_fwd_outputs"])
 
-        plan = rewrite_chunk(plan_jointly(partition, self.options, self.rule), self.name)
+        levels = search_levels(self.options, joint)
+        plan = rewrite_chunk(plan_jointly(partition, self.options, self.rule, levels), self.name)
         dump.record(plan, dump.dump_dir(self.options.dump_dir))
         self.on_plan(plan)
         return plan.forward, plan.backward

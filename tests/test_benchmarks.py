@@ -303,10 +303,13 @@ def test_recompute_levels_plans_each_split_and_names_the_one_kept():
     from benchmarks import recompute_levels
     from offload_pass.joint import RECOMPUTE_LEVELS
 
-    rows = recompute_levels.main(["--workload", "tiny", "--budget-gib", "0.0001"])
+    # under the small stack's peak with nothing moved (1.02 MiB), above a recomputing split's
+    rows = recompute_levels.main(["--workload", "tiny", "--budget-gib", "0.00095"])
     assert [r["split"] for r in rows[:-1]] == [1.0, *RECOMPUTE_LEVELS]
+    assert rows[0]["over budget MiB"] > 0
     kept = rows[-1]
     assert str(kept["split"]).startswith("kept: ")
+    assert kept["over budget MiB"] == 0
     same = {k: v for k, v in kept.items() if k != "split"}
     assert any(same == {k: v for k, v in r.items() if k != "split"} for r in rows[:-1])
 

@@ -335,3 +335,32 @@ def test_a_fake_built_from_meta_matches_the_fake_modes_own_factory_call():
         made.dtype,
         made.device,
     )
+
+
+def _traced_with_meta(**meta) -> torch.fx.GraphModule:
+    joint = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    assert not _compat.budget_annotated(joint)
+    next(iter(joint.graph.nodes)).meta.update(meta)
+    return joint
+
+
+def test_a_per_node_recompute_budget_is_seen():
+    assert _compat.budget_annotated(_traced_with_meta(memory_budget=0.5))
+
+
+def test_a_region_recompute_budget_is_seen_where_torch_writes_one():
+    traceback = pytest.importorskip("torch.fx.traceback")
+    if not hasattr(traceback, "MEMORY_BUDGET_ANNOTATION_KEY"):
+        pytest.skip("this torch has no region_activation_memory_budget (before 2.13)")
+    custom = {traceback.MEMORY_BUDGET_ANNOTATION_KEY: 0.5}
+    assert _compat.budget_annotated(_traced_with_meta(custom=custom))
+
+
+def test_the_partitioners_settings_are_read_from_its_config():
+    from torch._functorch import config
+
+    with config.patch(activation_memory_budget=0.3):
+        assert _compat.activation_memory_budget() == 0.3
+    assert _compat.partitions_sync_across_ranks() is False
+    with config.patch(_sync_decision_cross_ranks=True):
+        assert _compat.partitions_sync_across_ranks() is True

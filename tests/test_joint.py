@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from offload_pass.joint import RECOMPUTE_LEVELS
+from offload_pass.joint import RECOMPUTE_LEVELS, search_levels
+from offload_pass.options import OffloadOptions
 from offload_pass.profiles import BUILT_IN
 from tests import models
 from tests.conftest import assert_same_step, compiled_pair, train_step
@@ -35,8 +36,8 @@ SLOW_COPIES = _copies_at(1e8, "slow copies")
 FAST_COPIES = _copies_at(1e15, "fast copies")
 
 
-def _plan(**options):
-    model, _, backend = compiled_pair(models.BlockStack, "eager", **options)
+def _plan(compiler: str = "eager", **options):
+    model, _, backend = compiled_pair(models.BlockStack, compiler, **options)
     train_step(model, torch.randn(2, 16, 32))
     (plan,) = backend.plans
     return plan
@@ -53,7 +54,15 @@ def test_a_budget_moving_meets_only_slowly_is_met_faster_by_recomputing():
     assert joint.prediction.step_seconds < moving_alone.prediction.step_seconds
     assert "split under activation_memory_budget" in str(joint)
     assert list(joint.stage_seconds)[-2:] == ["search", "rewrite"]
-    assert joint.stage_seconds["search"] >= 0
+
+
+def test_a_budget_no_split_meets_is_planned_once_and_warned_once():
+    """A share that rounds to no bytes at all: every split misses it, the search goes on
+    in bytes, and the kept plan alone warns."""
+    with pytest.warns(UserWarning, match="cannot meet memory_budget") as caught:
+        plan = _plan(memory_budget=1e-9, profile=SLOW_COPIES)
+    assert sum("cannot meet memory_budget" in str(w.message) for w in caught) == 1
+    assert plan.planned.budget_shortfall > 0
 
 
 def test_a_budget_met_with_nothing_moved_keeps_the_stock_split():
@@ -91,3 +100,22 @@ def test_jointly_planned_steps_equal_the_stock_compile_of_that_split(compiler):
         expected = [train_step(reference, x, seed=step) for step in range(2)]
     for step, want in zip(steps, expected, strict=True):
         assert_same_step(step, want)
+    same_split = _plan(compiler, fraction=0.0, recompute_budget=plan.recompute_budget)
+    assert plan.bytes_saved_for_backward == same_split.bytes_saved_for_backward
+    assert plan.bytes_saved_for_backward < _plan(compiler, fraction=0.0).bytes_saved_for_backward
+
+
+def test_the_search_tries_the_levels_below_the_partitioners_own_setting():
+    joint = torch.fx.symbolic_trace(models.MLP())
+    assert search_levels(OffloadOptions(memory_budget=BUDGET), joint) == RECOMPUTE_LEVELS
+    with torch._functorch.config.patch(activation_memory_budget=0.5):
+        assert search_levels(OffloadOptions(memory_budget=BUDGET), joint) == (0.4, 0.2)
+    assert search_levels(OffloadOptions(), joint) == ()
+    assert search_levels(OffloadOptions(memory_budget=BUDGET, recompute_budget=0.5), joint) == ()
+
+
+def test_no_search_where_the_graph_carries_its_own_recompute_budget():
+    """The partitioner takes a node's budget over any setting: every split would be one."""
+    joint = torch.fx.symbolic_trace(models.MLP())
+    next(iter(joint.graph.nodes)).meta["memory_budget"] = 0.5
+    assert search_levels(OffloadOptions(memory_budget=BUDGET), joint) == ()
