@@ -23,6 +23,7 @@ from offload_pass.driver import offload_chunk, rewrite_chunk
 from offload_pass.graphs import ChunkGraphs
 from offload_pass.joint import plan_jointly, search_levels
 from offload_pass.options import OffloadOptions
+from offload_pass.partition import stock_splits
 
 
 def timed_in_compile(layers: int, repeats: int) -> tuple[int, dict[str, list[dict[str, float]]]]:
@@ -72,11 +73,7 @@ def searched_seconds(
     """The pass's stages as the backend runs them under a memory budget: the joint
     search, partitioning the joint graph again for each split it tries."""
 
-    def split(level: float | None) -> ChunkGraphs:
-        forward, backward = _compat.stock_partition(joint, joint_inputs, level, **kwargs)
-        graphs = map(_compat.lazy_graph_module, (forward, backward))
-        return ChunkGraphs(*graphs, kwargs["num_fwd_outputs"])
-
+    split = stock_splits(joint, joint_inputs, **kwargs)
     levels = search_levels(options, joint)
     plan = rewrite_chunk(plan_jointly(split, options, options.fraction_rule(), levels), "timed")
     return {**plan.stage_seconds, "moved": len(plan.moved)}

@@ -80,21 +80,22 @@ def partitions_sync_across_ranks() -> bool:
     return bool(getattr(config, "_sync_decision_cross_ranks", False))
 
 
-def _region_budget(node: torch.fx.Node) -> float | None:
-    """The budget ``torch.autograd.graph.region_activation_memory_budget`` wrote on the node
-    (torch >= 2.13; earlier versions have no such regions)."""
+def _region_budget_reader() -> Callable[[torch.fx.Node], float | None]:
+    """What reads the budget ``torch.autograd.graph.region_activation_memory_budget`` wrote
+    on a node (torch >= 2.13; earlier versions have no such regions)."""
     try:
         from torch.fx.traceback import _get_memory_budget_annotation
     except ImportError:
-        return None
-    return _get_memory_budget_annotation(node)
+        return lambda node: None
+    return _get_memory_budget_annotation
 
 
 def budget_annotated(joint: torch.fx.GraphModule) -> bool:
     """Whether nodes of the joint graph carry their own recompute budget (a region's, or
     the older per-node ``memory_budget``), which the partitioner takes over its setting."""
+    region_budget = _region_budget_reader()
     return any(
-        isinstance(n.meta.get("memory_budget"), float) or _region_budget(n) is not None
+        isinstance(n.meta.get("memory_budget"), float) or region_budget(n) is not None
         for n in joint.graph.nodes
     )
 

@@ -12,9 +12,24 @@ import torch.fx
 from offload_pass import _compat, dump
 from offload_pass.driver import rewrite_chunk
 from offload_pass.graphs import ChunkGraphs
-from offload_pass.joint import plan_jointly, search_levels
+from offload_pass.joint import Partition, plan_jointly, search_levels
 from offload_pass.options import FractionRule, OffloadOptions
 from offload_pass.plan import Plan
+
+
+def stock_splits(
+    joint: torch.fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
+) -> Partition:
+    """The stock min-cut partitioner's split of ``joint``, under a recompute budget."""
+
+    def split(recompute_budget: float | None) -> ChunkGraphs:
+        forward, backward = map(
+            _compat.lazy_graph_module,
+            _compat.stock_partition(joint, joint_inputs, recompute_budget, **kwargs),
+        )
+        return ChunkGraphs(forward, backward, kwargs["num_fwd_outputs"])
+
+    return split
 
 
 class OffloadPartitioner(_compat.PartitionerBase):
@@ -35,14 +50,8 @@ class OffloadPartitioner(_compat.PartitionerBase):
     def __call__(
         self, joint: torch.fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
     ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
-        def partition(recompute_budget: float | None) -> ChunkGraphs:
-            forward, backward = map(
-                _compat.lazy_graph_module,
-                _compat.stock_partition(joint, joint_inputs, recompute_budget, **kwargs),
-            )
-            return ChunkGraphs(forward, backward, kwargs["num_fwd_outputs"])
-
         levels = search_levels(self.options, joint)
+        partition = stock_splits(joint, joint_inputs, **kwargs)
         plan = rewrite_chunk(plan_jointly(partition, self.options, self.rule, levels), self.name)
         dump.record(plan, dump.dump_dir(self.options.dump_dir))
         self.on_plan(plan)
