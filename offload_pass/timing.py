@@ -11,6 +11,12 @@ again; a failure (out of memory, say) is not cached. The values are random, so a
 is not timed where values decide the work: an integer or boolean tensor of offsets,
 indices or masks (the random-number state of attention with dropout excepted). Timing
 is advisory: whatever goes wrong, the node keeps its price by the rates.
+
+A call timed alone runs at the clock of a device that was idle; a training step keeps
+the device busy, and its clock settles lower under the power limit. So every time
+measured is scaled by the device's sustained slowdown, measured once per device: a
+large product's time once the device has run it back to back for ``SETTLE_SECONDS``,
+over its time alone (``sustained_slowdown``).
 """
 
 from __future__ import annotations
@@ -34,6 +40,12 @@ LAUNCH_COVER_CYCLES = 1_000_000
 longer than the host takes to launch one op's kernels."""
 RANDOM_STATE_ARGUMENTS = frozenset({"philox_seed", "philox_offset", "rng_state"})
 """Integer arguments that seed random numbers rather than decide the work."""
+SETTLE_SECONDS = 0.5
+"""How long the reference product runs back to back before its settled time is read."""
+SETTLED_CALLS = 20
+REFERENCE_PRODUCT_SIZE = 8192
+"""The reference product is this square, in bf16: long enough per call (about 1.4 ms on
+an H200) that the device's power draw, not the host, sets its clock."""
 NodeTimer = Callable[[torch.fx.Node], "float | None"]
 """Seconds one node's kernel takes on the device, or None where it was not timed."""
 
@@ -64,7 +76,46 @@ def measured_seconds(node: torch.fx.Node, device: torch.device) -> float | None:
         if seconds is None:
             return None
         _seconds_by_signature[key] = seconds
-    return _seconds_by_signature[key]
+    return _seconds_by_signature[key] * sustained_slowdown(device)
+
+
+@functools.cache
+def sustained_slowdown(device: torch.device) -> float:
+    """How much longer the reference product takes once the device has run it back to back
+    for ``SETTLE_SECONDS`` than timed alone after idling; at least 1, and 1 where it cannot
+    be measured. Cached per device for the process."""
+    devices = [device]
+    try:
+        with _compat.outside_compile(), torch.no_grad(), torch.random.fork_rng(devices):
+            n = REFERENCE_PRODUCT_SIZE
+            matrix = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+
+            def product() -> torch.Tensor:
+                return matrix @ matrix
+
+            product()
+            alone = statistics.median(_elapsed(product, device) for _ in range(REPEATS))
+            deadline = time.perf_counter() + SETTLE_SECONDS
+            while time.perf_counter() < deadline:
+                product()
+                torch.cuda.synchronize(device)
+            settled = _train_seconds(product, device, SETTLED_CALLS)
+    except Exception:  # noqa: BLE001  (advisory: without it, calls are priced as timed)
+        return 1.0
+    return max(1.0, settled / alone)
+
+
+def _train_seconds(run: Callable[[], object], device: torch.device, calls: int) -> float:
+    """Mean seconds of ``calls`` calls of ``run`` queued back to back on ``device``."""
+    stream = torch.cuda.current_stream(device)
+    start_event = torch.cuda.Event(enable_timing=True)
+    end_event = torch.cuda.Event(enable_timing=True)
+    start_event.record(stream)
+    for _ in range(calls):
+        run()
+    end_event.record(stream)
+    end_event.synchronize()
+    return start_event.elapsed_time(end_event) / 1e3 / calls
 
 
 @dataclasses.dataclass(frozen=True)

@@ -102,6 +102,11 @@ def _timings(
 def compare_with_profile(step: Callable[[], object], plans: Sequence[Plan]) -> Comparison:
     """Run ``step`` (one forward and backward of the model the plans belong to) once to
     warm up, then once under ``torch.profiler``, and compare with the plans."""
+    if not plans:
+        raise ValueError(
+            "compare_with_profile: no plans to compare; pass the backend's plans after "
+            "the step has compiled (backend.plans is read when it is passed)"
+        )
     step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

@@ -215,3 +215,12 @@ def test_explain_plans_the_graphs_inductor_compiles():
     assert _ops(explained.backward) == _ops(compiled.backward)
     assert "aten.scatter.value" not in _ops(explained.backward)
     assert explained.prediction.peak_bytes == compiled.prediction.peak_bytes
+
+
+def test_compare_with_profile_names_missing_plans_before_running_the_step():
+    from offload_pass.validate import compare_with_profile
+
+    ran = []
+    with pytest.raises(ValueError, match="no plans to compare"):
+        compare_with_profile(lambda: ran.append(1), [])
+    assert not ran
