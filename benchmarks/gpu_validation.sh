@@ -12,6 +12,8 @@
 #   finetune    the fine-tuning example (examples/finetune_hf.py; $FINETUNE_ARGS are passed,
 #               shell quoting kept: FINETUNE_ARGS='--configs none auto "budget 0.7"')
 #   breakdown   what is alive at the measured peak of W2's auto and three W1 configurations
+#   steps       each kind of kernel's device time on W1 and W2 beside its predicted time
+#               (step_breakdown.py)
 #   cuda-graphs mode="reduce-overhead" with offloading: gradients, 200 replays of GPT-2
 #               (benchmarks/reduce_overhead.py)
 # With no argument every step but zoo-bench runs; `--only STEP [STEP ...]`
@@ -63,12 +65,15 @@ for step in "${steps[@]}"; do
             "memory_budget 0.7" "offload_pass auto, recompute 0.7" 2>&1 \
             | tee -a "$out/peak_breakdown.log"
         ;;
+    steps)
+        python -m benchmarks.step_breakdown --workload W1 W2 2>&1 | tee "$out/step_breakdown.log"
+        ;;
     cuda-graphs)
         python -m benchmarks.reduce_overhead 2>&1 | tee "$out/reduce_overhead.log"
         ;;
     *)
         echo "unknown step $step (compare, cuda-tests, zoo, zoo-bench, example, overhead, kernels," \
-            "finetune, breakdown, cuda-graphs)" >&2
+            "finetune, breakdown, steps, cuda-graphs)" >&2
         exit 2
         ;;
     esac

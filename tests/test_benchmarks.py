@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import compare
 
 CONFIGS = ["compiled", "offload_pass fraction 0.5", "checkpoint blocks", "save_on_cpu"]
@@ -342,3 +344,19 @@ def benchmark_compiled_module():
         "triton": 1,
         "aten": 1,
     }
+
+
+def test_step_breakdown_sorts_kernels_and_prices_every_node_once():
+    import offload_pass
+    from benchmarks import step_breakdown, workloads
+
+    assert step_breakdown.kernel_kind("sm90_xmma_gemm_bf16bf16_bf16f32") == "products"
+    assert step_breakdown.kernel_kind("cudnn_generated_fort_native_sdpa_sm90") == "attention"
+    assert step_breakdown.kernel_kind("triton_poi_fused_gelu_view_2") == "other"
+    assert step_breakdown.kernel_kind("Memcpy DtoH (Device -> Pinned)") == "copies"
+    model, x = workloads.build(workloads.BY_NAME["tiny"], "cpu")
+    (plan,) = offload_pass.explain(workloads.WithLoss(model), x, fraction=0.0).plans
+    by_kind = step_breakdown.predicted_by_kind([plan])
+    assert by_kind["products"] > 0 and by_kind["attention"] > 0
+    every_node = sum(plan.costs.forward_seconds) + sum(plan.costs.backward_seconds)
+    assert sum(by_kind.values()) == pytest.approx(every_node)
