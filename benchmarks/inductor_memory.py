@@ -41,6 +41,7 @@ _RELOAD_WAIT = re.compile(r"\s*(buf\d+) = torch\.ops\.offload_pass\.reload_wait\
 _ALIAS = re.compile(r"\s*(buf\d+) = (buf\d+)$")
 _ITEM = re.compile(r"\s*(buf\d+) = (buf\d+)\[(\d+)\]$")
 _DELETE = re.compile(r"\bdel (\w+)")
+_UNPACK = re.compile(r"\s*(\w+(?:, \w+)*),? = args$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +59,16 @@ def generated_code(gm: torch.fx.GraphModule, is_backward: bool) -> str:
     with detect_fake_mode(inputs):
         compile_graph = _compat.inductor_graph_compiler(ops.holds_transfers)
         return compile_graph(gm, inputs, is_backward=is_backward).source_code
+
+
+def code_input_names(code: str, gm: torch.fx.GraphModule) -> dict[str, str]:
+    """Each placeholder's name in the generated code, which unpacks its arguments in
+    placeholder order under names of its own where the compile renamed the graph's."""
+    placeholders = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+    for line in code.splitlines():
+        if unpack := _UNPACK.match(line):
+            return dict(zip(placeholders, unpack.group(1).split(", "), strict=True))
+    return {name: name for name in placeholders}
 
 
 def code_peak(
@@ -126,15 +137,11 @@ def _predicted_forward_peak(costs: ChunkCosts) -> int:
 
 
 def measure(
-    model: torch.nn.Module,
-    inputs: Sequence[object],
-    recompute_budget: float | None,
-    fraction: float | None,
+    model: torch.nn.Module, inputs: Sequence[object], **options: object
 ) -> tuple[CodePeak, CodePeak]:
-    """Forward's and backward's peaks, predicted and in Inductor's CPU code."""
-    report = offload_pass.explain(
-        model, *inputs, profile="h200", fraction=fraction, recompute_budget=recompute_budget
-    )
+    """Forward's and backward's peaks, predicted and in Inductor's CPU code, planned with
+    the backend ``options``."""
+    report = offload_pass.explain(model, *inputs, profile="h200", **options)
     (plan,) = report.plans
     resident = plan.costs.resident_bytes  # forward's inputs: parameters and the batch
     forward_peak, forward_at = code_peak(generated_code(plan.forward, False), resident, {}, {})
@@ -144,9 +151,10 @@ def measure(
         if not n.name.startswith("primals")
     ]
     reloaded = {n for n in backward_inputs if any(u.target is ops.RELOAD for u in n.users)}
-    saved = {n.name: n.meta["val"] for n in backward_inputs if n not in reloaded}
-    host = {n.name: n.meta["val"].untyped_storage().nbytes() for n in reloaded}
     code = generated_code(plan.backward, True)
+    named = code_input_names(code, plan.backward)
+    saved = {named[n.name]: n.meta["val"] for n in backward_inputs if n not in reloaded}
+    host = {named[n.name]: n.meta["val"].untyped_storage().nbytes() for n in reloaded}
     backward_peak, backward_at = code_peak(code, resident, saved, host)
     return (
         CodePeak(_predicted_forward_peak(plan.costs), forward_peak, forward_at),
@@ -163,8 +171,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--fraction", default="0", help="share of each module's candidates to move, or auto"
     )
+    parser.add_argument(
+        "--memory-budget-gib", type=float, help="plan for this budget instead of a fraction"
+    )
     args = parser.parse_args(argv)
-    fraction = None if args.fraction == "auto" else float(args.fraction)
+    options: dict[str, object] = {"recompute_budget": args.recompute_budget}
+    if args.memory_budget_gib is not None:
+        options["memory_budget"] = round(args.memory_budget_gib * 2**30)
+    elif args.fraction != "auto":
+        options["fraction"] = float(args.fraction)
     if args.zoo:
         sizes = dataclasses.replace(ZOO_SIZES, layers=args.layers or ZOO_SIZES.layers)
         torch.manual_seed(0)
@@ -181,8 +196,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{workload.name}, {workload.layers} layers",
             (workloads.WithLoss(model), (x,)),
         )
-    forward, backward = measure(*inputs, args.recompute_budget, fraction)
-    print(f"{name}, fraction {args.fraction}, recompute_budget {args.recompute_budget}:")
+    forward, backward = measure(*inputs, **options)
+    print(f"{name}, {', '.join(f'{k} {v}' for k, v in options.items())}:")
     for graph, peak in (("forward", forward), ("backward", backward)):
         print(
             f"  {graph}: predicted peak {format_bytes(peak.predicted_bytes)}, Inductor's CPU "

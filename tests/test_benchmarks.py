@@ -202,6 +202,18 @@ def test_code_peak_counts_reloads_on_the_device_and_host_buffers_nowhere():
     assert at.startswith("buf3 = empty_strided_cpu")
 
 
+def test_code_input_names_follow_the_codes_unpacking_in_placeholder_order():
+    import torch.fx
+
+    from benchmarks.inductor_memory import code_input_names
+
+    graph = torch.fx.Graph()
+    graph.output((graph.placeholder("primals_1"), graph.placeholder("getitem_104")))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    code = "    def call(self, args):\n        primals_1, getitem_75 = args\n"
+    assert code_input_names(code, gm) == {"primals_1": "primals_1", "getitem_104": "getitem_75"}
+
+
 def _zoo_row(config: str, **figures: float) -> dict:
     return {"config": config, "status": "ok", "bytes_moved": 0, **figures}
 
