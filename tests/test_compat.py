@@ -189,16 +189,19 @@ def test_stock_partition_runs_under_the_recompute_budget(monkeypatch):
     assert seen == [0.25, 0.6]
 
 
-def test_peak_memory_reordering_is_off_only_in_graphs_with_transfers(monkeypatch):
+def test_reordering_and_buffer_reuse_are_off_only_in_graphs_with_transfers(monkeypatch):
     from torch._inductor import compile_fx, config
 
     seen = _record_setting(
-        monkeypatch, compile_fx, "compile_fx_inner", lambda: config.reorder_for_peak_memory
+        monkeypatch,
+        compile_fx,
+        "compile_fx_inner",
+        lambda: (config.reorder_for_peak_memory, config.allow_buffer_reuse),
     )
-    with config.patch(reorder_for_peak_memory=True):
+    with config.patch(reorder_for_peak_memory=True, allow_buffer_reuse=True):
         assert _compat.inductor_graph_compiler(lambda graph: True)(None, []) == "compiled"
         assert _compat.inductor_graph_compiler(lambda graph: False)(None, []) == "compiled"
-    assert seen == [False, True]
+    assert seen == [(False, False), (True, True)]
 
 
 def _inductor_settings(cudagraphs: bool, **settings: bool) -> types.SimpleNamespace:
