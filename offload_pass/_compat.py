@@ -145,8 +145,8 @@ def inductor_graph_compiler(
     holds_transfers: Callable[[torch.fx.GraphModule], bool],
 ) -> Callable[..., Any]:
     """Inductor's per-graph compile, with ``TRANSFER_GRAPH_SETTINGS`` in graphs that hold
-    transfers. Under CUDA graphs
-    it warns what they do to those graphs (:func:`cuda_graph_caveat`)."""
+    transfers. Under CUDA graphs it warns what they do to those graphs
+    (:func:`cuda_graph_caveat`)."""
     from torch._inductor import compile_fx, config
 
     def compile_graph(graph: torch.fx.GraphModule, inputs: Sequence[object], **kwargs: Any) -> Any:

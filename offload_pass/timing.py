@@ -84,9 +84,8 @@ def sustained_slowdown(device: torch.device) -> float:
     """How much longer the reference product takes once the device has run it back to back
     for ``SETTLE_SECONDS`` than timed alone after idling; at least 1, and 1 where it cannot
     be measured. Cached per device for the process."""
-    devices = [device]
     try:
-        with _compat.outside_compile(), torch.no_grad(), torch.random.fork_rng(devices):
+        with _compat.outside_compile(), torch.no_grad(), torch.random.fork_rng([device]):
             n = REFERENCE_PRODUCT_SIZE
             matrix = torch.randn(n, n, dtype=torch.bfloat16, device=device)
 
