@@ -11,6 +11,7 @@ from offload_pass._compat import register_backend_name
 from offload_pass.backend import OffloadBackend, backend, default_backend, offload
 from offload_pass.calibration import calibrate_shared
 from offload_pass.explain import explain
+from offload_pass.fit import BudgetFit, BudgetTrial, cuda_peak, fit_memory_budget
 from offload_pass.integrations import compile_regions, register_backend
 from offload_pass.options import OffloadOptions, set_fraction
 from offload_pass.peak import PeakBreakdown, peak_breakdown
@@ -24,6 +25,8 @@ from offload_pass.simulate import CopyPrediction, Prediction, Transfer
 register_backend_name("offload", offload)
 
 __all__ = [
+    "BudgetFit",
+    "BudgetTrial",
     "CopyPrediction",
     "Decision",
     "ModelReport",
@@ -40,8 +43,10 @@ __all__ = [
     "calibrate_shared",
     "compile_regions",
     "counts",
+    "cuda_peak",
     "default_backend",
     "explain",
+    "fit_memory_budget",
     "peak_breakdown",
     "register_backend",
     "set_fraction",

@@ -1,0 +1,68 @@
+"""Fitting a memory budget to the measured peak: each trial plans lower by what the last
+one overshot, and the fit keeps the first trial that meets the target."""
+
+from __future__ import annotations
+
+import pytest
+
+from offload_pass import BudgetTrial, fit_memory_budget
+
+GIB = 2**30
+
+
+def _overshooting_by(extra: int, floor: int = 0):
+    """A step whose peak is its budget plus ``extra``, and never below ``floor``;
+    records the budgets it was compiled for."""
+    planned: list[int] = []
+
+    def run_at(budget: int) -> int:
+        planned.append(budget)
+        return max(budget + extra, floor)
+
+    return run_at, planned
+
+
+def test_an_overshoot_is_taken_off_the_next_budget():
+    run_at, planned = _overshooting_by(GIB // 4)
+    fit = fit_memory_budget(run_at, 7 * GIB)
+    assert planned == [7 * GIB, 7 * GIB - GIB // 4]
+    assert fit.met and fit.planned_bytes == 7 * GIB - GIB // 4
+    assert fit.trials[-1] == BudgetTrial(7 * GIB - GIB // 4, 7 * GIB)
+
+
+def test_a_budget_met_at_once_is_kept_after_one_trial():
+    run_at, planned = _overshooting_by(-GIB)
+    fit = fit_memory_budget(run_at, 7 * GIB)
+    assert planned == [7 * GIB] and fit.met and fit.planned_bytes == 7 * GIB
+
+
+def test_a_floor_above_the_target_stops_after_the_attempts_and_keeps_the_lowest_plan():
+    run_at, planned = _overshooting_by(GIB, floor=8 * GIB)
+    fit = fit_memory_budget(run_at, 7 * GIB, attempts=4)
+    assert planned == [7 * GIB, 6 * GIB, 5 * GIB, 4 * GIB]
+    assert not fit.met and fit.planned_bytes == 4 * GIB
+    assert "missed" in str(fit)
+
+
+def test_the_fit_stops_before_planning_for_nothing():
+    run_at, planned = _overshooting_by(4 * GIB)
+    fit = fit_memory_budget(run_at, 3 * GIB, attempts=5)
+    assert planned == [3 * GIB] and not fit.met
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"target_bytes": 0}, "target_bytes must be a positive"),
+        ({"target_bytes": 7.5}, "target_bytes must be a positive"),
+        ({"target_bytes": GIB, "attempts": 0}, "attempts must be an int of at least 1"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        fit_memory_budget(lambda budget: budget, **kwargs)
+
+
+def test_a_step_that_does_not_return_its_peak_is_refused():
+    with pytest.raises(TypeError, match="run_at must return the peak in bytes"):
+        fit_memory_budget(lambda budget: None, GIB)
