@@ -163,7 +163,39 @@ def _wait_tokens(
     candidates = [t for t in [*readers, *_token_before(wait_after)] if t is not None]
     own = {s.root for s in bucket}
     found = [_stand_in(t, tickets, order, placed) for t in candidates if t not in own]
-    return [t for t in dict.fromkeys(found) if t is not ticket and order[t] <= placed]
+    tokens = [t for t in dict.fromkeys(found) if t is not ticket and order[t] <= placed]
+    return _without_implied(tokens, order)
+
+
+def _without_implied(
+    tokens: list[torch.fx.Node], order: dict[torch.fx.Node, int]
+) -> list[torch.fx.Node]:
+    """``tokens`` less each that data dependence alone orders before a wait taking the
+    rest: one whose value is read only by the others and their ancestors. A token keeps
+    its buffer alive until the wait, so each one more than needed holds memory the cost
+    model does not count (on W2, ten layer norms' outputs held until a late wait)."""
+    lowest = min((order[t] for t in tokens), default=0)
+    covered: set[torch.fx.Node] = set()
+    kept: set[torch.fx.Node] = set()
+    for token in sorted(tokens, key=order.__getitem__, reverse=True):
+        if token in covered and all(u in covered for u in token.users):
+            continue
+        kept.add(token)
+        _cover(token, lowest, order, covered)
+    return [t for t in tokens if t in kept]
+
+
+def _cover(
+    node: torch.fx.Node, lowest: int, order: dict[torch.fx.Node, int], covered: set[torch.fx.Node]
+) -> None:
+    """Add ``node`` and its ancestors from position ``lowest`` on to ``covered``."""
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current in covered or order[current] < lowest:
+            continue
+        covered.add(current)
+        stack.extend(current.all_input_nodes)
 
 
 def _stand_in(

@@ -59,6 +59,34 @@ def test_each_offload_is_waited_on_after_its_last_forward_use(plan):
         assert offload not in output.args[0], "a ticket never outlives its forward"
 
 
+def _ancestors(node: torch.fx.Node) -> set[torch.fx.Node]:
+    found: set[torch.fx.Node] = set()
+    stack = list(node.all_input_nodes)
+    while stack:
+        current = stack.pop()
+        if current not in found:
+            found.add(current)
+            stack.extend(current.all_input_nodes)
+    return found
+
+
+def test_each_wait_follows_every_read_and_holds_no_token_it_does_not_need(plan):
+    """Data dependence alone puts every kernel reading a moved storage before its wait;
+    and no token is passed whose value only the other tokens read, since a token's buffer
+    stays alive until the wait."""
+    waits = _nodes(plan.forward.graph, ops.OFFLOAD_WAIT)
+    assert waits
+    for wait in waits:
+        before = _ancestors(wait)
+        for device_tensor in wait.args[1]:
+            assert set(_readers(device_tensor)) <= before, "a read may run after the wait"
+        tokens = [t for t in wait.args[-1] if t.target not in ops.TICKETS]
+        for token in tokens:
+            others = set().union(*(_ancestors(o) | {o} for o in tokens if o is not token))
+            read_by_others_only = all(u in others or u is wait for u in token.users)
+            assert not (token in others and read_by_others_only), token.name
+
+
 def test_backward_reads_host_tensors_and_waits_before_first_use(plan):
     graph = plan.backward.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
