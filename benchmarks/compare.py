@@ -170,11 +170,21 @@ def check_targets(rows: list[dict[str, Any]], hw: Hardware) -> list[str]:
                 f"bound: {r['config']} at {r['bound_ratio']:.3f}x the PCIe bound "
                 f"(target <= 1.10): {verdict}"
             )
+    return lines + against_checkpointing(rows, hw)
+
+
+def against_checkpointing(rows: list[dict[str, Any]], hw: Hardware) -> list[str]:
+    """Whether some offload_pass point at or under "checkpoint blocks"' peak is at least
+    10% faster than it (none where checkpointing did not run)."""
+    ok = [r for r in rows if r["status"] == "ok" and r.get("peak_bytes") is not None]
     checkpoint = next((r for r in ok if r["config"] == "checkpoint blocks"), None)
-    if checkpoint is not None:
-        alone = [o for o in ours if not _builds_on(o, checkpoint)]
-        lines.append(_against_checkpointing(checkpoint, alone, base, hw))
-    return lines
+    if checkpoint is None:
+        return []
+    ours = [r for r in ok if r["family"] == "offload_pass" and not _builds_on(r, checkpoint)]
+    if not ours:
+        return []
+    base = next((r for r in ok if r["config"] == BASELINE), None)
+    return [_against_checkpointing(checkpoint, ours, base, hw)]
 
 
 def _against_checkpointing(

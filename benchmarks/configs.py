@@ -176,37 +176,39 @@ FIT_STEPS = 2
 timed steps are."""
 
 
+def fitted_step(task: nn.Module, target_bytes: int, shared: dict[str, Any]) -> Forward:
+    """``task`` (a module returning the loss) compiled with offload_pass under a
+    ``memory_budget`` fitted to the measured peak (:func:`offload_pass.fit_memory_budget`):
+    the first call runs the trials on its batch, ``FIT_STEPS`` steps each, and keeps the
+    last trial's compiled step, so the trials' compiles count in the first step's time."""
+    kept: dict[str, Forward] = {}
+
+    def run_at(budget: int, batch: Any) -> int:
+        torch.compiler.reset()
+        backend = offload_pass.backend(memory_budget=budget)
+        step = torch.compile(task, backend=backend)
+
+        def steps() -> None:
+            for _ in range(FIT_STEPS):
+                step(batch).backward()
+                task.zero_grad(set_to_none=True)
+
+        peak = offload_pass.cuda_peak(steps)
+        kept["step"], shared["backend"] = step, backend
+        return peak
+
+    def forward(batch: Any) -> torch.Tensor:
+        if "step" not in kept:
+            fit = offload_pass.fit_memory_budget(lambda b: run_at(b, batch), target_bytes)
+            print(f"fitted budget: {fit}", flush=True)
+        return kept["step"](batch)
+
+    return forward
+
+
 def fitted_ours(target_bytes: int) -> Callable[[nn.Module, dict[str, Any]], Forward]:
-    """offload_pass under a ``memory_budget`` fitted to the measured peak
-    (:func:`offload_pass.fit_memory_budget`): the first call runs the trials on its batch,
-    ``FIT_STEPS`` steps each, and keeps the last trial's compiled step, so the trials'
-    compiles count in the first step's time."""
-
     def prepare(model: nn.Module, shared: dict[str, Any]) -> Forward:
-        task = WithLoss(model)
-        kept: dict[str, Forward] = {}
-
-        def run_at(budget: int, x: torch.Tensor) -> int:
-            torch.compiler.reset()
-            backend = offload_pass.backend(memory_budget=budget)
-            step = torch.compile(task, backend=backend)
-
-            def steps() -> None:
-                for _ in range(FIT_STEPS):
-                    step(x).backward()
-                    model.zero_grad(set_to_none=True)
-
-            peak = offload_pass.cuda_peak(steps, x.device)
-            kept["step"], shared["backend"] = step, backend
-            return peak
-
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            if "step" not in kept:
-                fit = offload_pass.fit_memory_budget(lambda b: run_at(b, x), target_bytes)
-                print(f"fitted budget: {fit}", flush=True)
-            return kept["step"](x)
-
-        return forward
+        return fitted_step(WithLoss(model), target_bytes, shared)
 
     return prepare
 

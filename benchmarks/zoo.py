@@ -28,7 +28,7 @@ from torch import nn
 
 import offload_pass
 from benchmarks import compare
-from benchmarks.configs import Config, Forward, Unavailable
+from benchmarks.configs import Config, Forward, Unavailable, fitted_step
 from benchmarks.measure import Measurement, measure
 
 GiB = 2**30
@@ -275,6 +275,26 @@ def _per_block(
     return prepare
 
 
+CHECKPOINT_PEAK = "checkpoint_peak_bytes"
+"""Where a model's run keeps checkpointing's measured peak, for the configurations after
+it that aim at that peak."""
+
+
+def _checkpointed(task: nn.Module, shared: dict[str, Any]) -> Forward:
+    """Every layer checkpointed, as transformers does it (non-reentrant), compiled whole."""
+    enable = getattr(task.model, "gradient_checkpointing_enable", None)
+    if enable is None:
+        raise Unavailable(f"{type(task.model).__name__} has no gradient_checkpointing_enable")
+    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return torch.compile(task)
+
+
+def _fitted_to_checkpointing(task: nn.Module, shared: dict[str, Any]) -> Forward:
+    if CHECKPOINT_PEAK not in shared:
+        raise Unavailable("not run: needs checkpoint blocks' measured peak, from the same run")
+    return fitted_step(task, shared[CHECKPOINT_PEAK], shared)
+
+
 def whole_configs() -> list[Config]:
     return [
         Config("compiled", "no offload", _stock),
@@ -282,6 +302,13 @@ def whole_configs() -> list[Config]:
         Config("offload_pass fraction 0.5", "offload_pass", _ours(fraction=0.5)),
         Config("offload_pass budget 0.7", "offload_pass", _ours(memory_budget=0.7)),
         Config("memory_budget 0.7", "memory_budget", _partitioner_budget),
+        Config("checkpoint blocks", "checkpointing", _checkpointed),
+        Config(
+            "offload_pass budget at checkpointing's peak, fitted",
+            "offload_pass",
+            _fitted_to_checkpointing,
+            cuda_only=True,
+        ),
     ]
 
 
@@ -353,12 +380,14 @@ def run_model(
 ) -> list[Measurement]:
     model = MODELS[name]
     results = []
+    shared: dict[str, Any] = {}  # one run's: checkpointing's peak for the configs after it
     for config in configs:
         if wanted and config.name not in wanted:
             continue
-        shared: dict[str, Any] = {}
         result = measure(config, lambda: model.build(device), device, steps, shared)
         print(f"{name} {config.name}: {result.status}, step {result.step_ms} ms", flush=True)
+        if config.family == "checkpointing" and result.peak_bytes is not None:
+            shared[CHECKPOINT_PEAK] = result.peak_bytes
         results.append(result)
     return results
 
@@ -400,7 +429,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             profiled = args.profile_auto and workload == name
             results["workloads"][workload] = {
                 "rows": rows,
-                "targets": check_targets(rows),
+                "targets": check_targets(rows) + compare.against_checkpointing(rows, hardware),
                 "auto_profiled": (
                     compare.profile_auto(functools.partial(MODELS[name].build, device), device)
                     if profiled

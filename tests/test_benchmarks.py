@@ -269,12 +269,20 @@ def test_zoo_harness_runs_a_tiny_model_on_the_cpu(tmp_path):
     from benchmarks import zoo
 
     configs = ["compiled", "offload_pass fraction 0.5"]
-    argv = ["--models", "llama", "--configs", *configs, "--steps", "2", "--device", "cpu"]
-    results = zoo.main([*argv, "--out", str(tmp_path)])
+    fitted = "offload_pass budget at checkpointing's peak, fitted"
+    aiming = ["checkpoint blocks", fitted]  # compiled whole only
+    argv = ["--models", "llama", "--configs", *configs, *aiming, "--steps", "2"]
+    results = zoo.main([*argv, "--device", "cpu", "--out", str(tmp_path)])
     assert list(results["workloads"]) == ["llama", "llama per block"]
-    for workload in results["workloads"].values():
-        assert [r["config"] for r in workload["rows"]] == configs
-        assert all(r["status"] == "ok" for r in workload["rows"])
+    whole, per_block = (w["rows"] for w in results["workloads"].values())
+    assert [r["config"] for r in per_block] == configs
+    assert all(r["status"] == "ok" for r in per_block)
+    statuses = {r["config"]: r["status"] for r in whole}
+    assert list(statuses) == [*configs, *aiming]
+    assert statuses == {
+        **dict.fromkeys([*configs, "checkpoint blocks"], "ok"),
+        fitted: "needs a CUDA device",
+    }
     (written,) = tmp_path.glob("*-zoo.json")
     assert json.loads(written.read_text())["workloads"].keys() == results["workloads"].keys()
 
