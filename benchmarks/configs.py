@@ -180,8 +180,10 @@ def fitted_step(task: nn.Module, target_bytes: int, shared: dict[str, Any]) -> F
     """``task`` (a module returning the loss) compiled with offload_pass under a
     ``memory_budget`` fitted to the measured peak (:func:`offload_pass.fit_memory_budget`):
     the first call runs the trials on its batch, ``FIT_STEPS`` steps each, and keeps the
-    last trial's compiled step, so the trials' compiles count in the first step's time."""
-    kept: dict[str, Forward] = {}
+    chosen trial's compiled step (it compiles again if a later trial ran after it), so the
+    trials' compiles count in the first step's time."""
+    trials: dict[int, tuple[Forward, offload_pass.OffloadBackend]] = {}
+    kept: list[Forward] = []
 
     def run_at(budget: int, batch: Any) -> int:
         torch.compiler.reset()
@@ -193,15 +195,16 @@ def fitted_step(task: nn.Module, target_bytes: int, shared: dict[str, Any]) -> F
                 step(batch).backward()
                 task.zero_grad(set_to_none=True)
 
-        peak = offload_pass.cuda_peak(steps)
-        kept["step"], shared["backend"] = step, backend
-        return peak
+        trials[budget] = step, backend
+        return offload_pass.cuda_peak(steps)
 
     def forward(batch: Any) -> torch.Tensor:
-        if "step" not in kept:
+        if not kept:
             fit = offload_pass.fit_memory_budget(lambda b: run_at(b, batch), target_bytes)
             print(f"fitted budget: {fit}", flush=True)
-        return kept["step"](batch)
+            step, shared["backend"] = trials[fit.planned_bytes]
+            kept.append(step)
+        return kept[0](batch)
 
     return forward
 

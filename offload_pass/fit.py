@@ -32,21 +32,26 @@ class BudgetTrial:
 
 @dataclasses.dataclass(frozen=True)
 class BudgetFit:
-    """The trials made to bring the measured peak to ``target_bytes``, in order. The last
-    trial is the one to keep: the first whose peak met the target, or, where none did,
-    the one planned lowest."""
+    """The trials made to bring the measured peak to ``target_bytes``, in order. The trial
+    to keep (``chosen``) is the first whose peak met the target, or, where none did, the
+    one with the lowest peak (of equal peaks the first, planned highest)."""
 
     target_bytes: int
     trials: tuple[BudgetTrial, ...]
 
     @property
+    def chosen(self) -> BudgetTrial:
+        met = [t for t in self.trials if t.peak_bytes <= self.target_bytes]
+        return met[0] if met else min(self.trials, key=lambda t: t.peak_bytes)
+
+    @property
     def planned_bytes(self) -> int:
         """The ``memory_budget`` to compile with."""
-        return self.trials[-1].planned_bytes
+        return self.chosen.planned_bytes
 
     @property
     def met(self) -> bool:
-        return self.trials[-1].peak_bytes <= self.target_bytes
+        return self.chosen.peak_bytes <= self.target_bytes
 
     def __str__(self) -> str:
         steps = ", ".join(
@@ -54,7 +59,10 @@ class BudgetFit:
             for t in self.trials
         )
         verdict = "met" if self.met else "missed"
-        return f"target {format_bytes(self.target_bytes)} {verdict}: {steps}"
+        return (
+            f"target {format_bytes(self.target_bytes)} {verdict}: {steps}; "
+            f"keep {format_bytes(self.planned_bytes)}"
+        )
 
 
 def next_budget(target_bytes: int, trial: BudgetTrial) -> int:
@@ -65,7 +73,9 @@ def next_budget(target_bytes: int, trial: BudgetTrial) -> int:
 
 def fit_memory_budget(run_at: RunAtBudget, target_bytes: int, attempts: int = 3) -> BudgetFit:
     """Plan for ``target_bytes``, measure with ``run_at``, and plan again for the budget
-    lowered by what the measured peak overshot, at most ``attempts`` trials in all.
+    lowered by what the measured peak overshot, at most ``attempts`` trials in all. It
+    stops at the first trial that meets the target, and at the first that lowers the peak
+    no further than an earlier one did (a floor that a lower budget does not move).
 
     ``run_at(budget)`` must compile afresh (``torch.compiler.reset()`` first, or a new
     model), since a compiled step keeps the plan it was compiled with;
@@ -78,8 +88,11 @@ def fit_memory_budget(run_at: RunAtBudget, target_bytes: int, attempts: int = 3)
     trials: list[BudgetTrial] = []
     planned = target_bytes
     while len(trials) < attempts and planned > 0:
+        lowest = min((t.peak_bytes for t in trials), default=None)
         trials.append(BudgetTrial(planned, _checked_peak(run_at(planned))))
         if trials[-1].peak_bytes <= target_bytes:
+            break
+        if lowest is not None and trials[-1].peak_bytes >= lowest:
             break
         planned = next_budget(target_bytes, trials[-1])
     return BudgetFit(target_bytes, tuple(trials))

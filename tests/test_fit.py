@@ -36,12 +36,25 @@ def test_a_budget_met_at_once_is_kept_after_one_trial():
     assert planned == [7 * GIB] and fit.met and fit.planned_bytes == 7 * GIB
 
 
-def test_a_floor_above_the_target_stops_after_the_attempts_and_keeps_the_lowest_plan():
-    run_at, planned = _overshooting_by(GIB, floor=8 * GIB)
-    fit = fit_memory_budget(run_at, 7 * GIB, attempts=4)
-    assert planned == [7 * GIB, 6 * GIB, 5 * GIB, 4 * GIB]
-    assert not fit.met and fit.planned_bytes == 4 * GIB
+def test_a_miss_after_every_attempt_keeps_the_trial_with_the_lowest_peak():
+    planned: list[int] = []
+
+    def run_at(budget: int) -> int:  # the peak falls by half of what the budget falls
+        planned.append(budget)
+        return budget // 2 + 5 * GIB
+
+    fit = fit_memory_budget(run_at, 7 * GIB, attempts=2)
+    assert planned == [7 * GIB, 11 * GIB // 2]  # peaks 8.5, then 7.75 GiB
+    assert not fit.met and fit.planned_bytes == 11 * GIB // 2
     assert "missed" in str(fit)
+
+
+def test_a_floor_the_budget_does_not_move_stops_the_fit_at_the_first_plan_reaching_it():
+    """Run 68's pattern: every budget peaked at the same floor above the target."""
+    run_at, planned = _overshooting_by(GIB, floor=8 * GIB)
+    fit = fit_memory_budget(run_at, 7 * GIB, attempts=5)
+    assert planned == [7 * GIB, 6 * GIB]  # the second trial lowered nothing: stop
+    assert not fit.met and fit.chosen == BudgetTrial(7 * GIB, 8 * GIB)
 
 
 def test_the_fit_stops_before_planning_for_nothing():
