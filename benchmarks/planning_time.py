@@ -5,6 +5,7 @@ of decoder stacks of increasing depth (traced on the CPU, planned with the H200 
 timed inside the partitioner of a real compile, as the backend runs them.
 
     python -m benchmarks.planning_time [--layers 8 32 128]
+    python -m benchmarks.planning_time --workload W1 --layers 8 --repeats 1
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
+import time
 from collections.abc import Sequence
 
 import tabulate
@@ -26,9 +28,11 @@ from offload_pass.options import OffloadOptions
 from offload_pass.partition import stock_splits
 
 
-def timed_in_compile(layers: int, repeats: int) -> tuple[int, dict[str, list[dict[str, float]]]]:
+def timed_in_compile(
+    workload: workloads.Workload, layers: int, repeats: int
+) -> tuple[int, dict[str, list[dict[str, float]]]]:
     """Each mode's stage times, ``repeats`` runs each, on the partitioned graphs of a
-    ``layers``-deep stack, and the graphs' node count. The stages run where the backend
+    ``layers``-deep ``workload`` stack, and the graphs' node count. The stages run where the backend
     runs them: inside the partitioner, under the compile's fake mode and dispatch."""
     found: dict[str, list[dict[str, float]]] = {}
     nodes = []
@@ -48,7 +52,7 @@ def timed_in_compile(layers: int, repeats: int) -> tuple[int, dict[str, list[dic
     def backend(gm, example_inputs):
         return _compat.compile_with_eager(gm, example_inputs, partition)
 
-    model, x = workloads.build(dataclasses.replace(workloads.TINY, layers=layers), "cpu")
+    model, x = workloads.build(dataclasses.replace(workload, layers=layers), "cpu")
     torch.compile(model, backend=backend)(x)
     torch.compiler.reset()
     (count,) = nodes
@@ -71,12 +75,13 @@ def searched_seconds(
     options: OffloadOptions,
 ) -> dict[str, float]:
     """The pass's stages as the backend runs them under a memory budget: the joint
-    search, partitioning the joint graph again for each split it tries."""
-
+    search, partitioning the joint graph again for each split it tries; ``WALL``: all of
+    it, every partition included (the stock one too, which a stock compile also makes)."""
+    start = time.perf_counter()
     split = stock_splits(joint, joint_inputs, **kwargs)
     levels = search_levels(options, joint)
     plan = rewrite_chunk(plan_jointly(split, options, options.fraction_rule(), levels), "timed")
-    return {**plan.stage_seconds, "moved": len(plan.moved)}
+    return {**plan.stage_seconds, "moved": len(plan.moved), WALL: time.perf_counter() - start}
 
 
 def copy_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -96,22 +101,26 @@ SEARCHED = "budget 0.7, as the backend plans it"
 """The budget mode through the joint search (offload_pass.joint), which may split the
 graph again under lower recompute budgets: its ``search`` column."""
 STAGES = ("order", "analyse", "costs", "plan", "bucket", "search", "rewrite")
+WALL = "with partitions s"
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="tiny", choices=sorted(workloads.BY_NAME))
     parser.add_argument("--layers", type=int, nargs="+", default=[8, 32, 128])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     rows = []
-    headers = ["layers", "nodes", "mode", "moved", *STAGES, "total s"]
+    headers = ["layers", "nodes", "mode", "moved", *STAGES, "total s", WALL]
+    workload = workloads.BY_NAME[args.workload]
     for layers in args.layers:
-        nodes, timed = timed_in_compile(layers, args.repeats)
+        nodes, timed = timed_in_compile(workload, layers, args.repeats)
         for mode, runs in timed.items():
             median = {k: statistics.median(r.get(k, 0.0) for r in runs) for k in STAGES}
             times = [f"{median[k]:.3f}" for k in STAGES]
             total = f"{sum(median.values()):.3f}"
-            rows.append([layers, nodes, mode, runs[0]["moved"], *times, total])
+            wall = f"{statistics.median(r[WALL] for r in runs):.3f}" if WALL in runs[0] else ""
+            rows.append([layers, nodes, mode, runs[0]["moved"], *times, total, wall])
         print(tabulate.tabulate(rows, headers=headers), flush=True)
         print()
 

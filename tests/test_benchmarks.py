@@ -380,3 +380,14 @@ def test_step_breakdown_sorts_kernels_and_prices_every_node_once():
     assert by_kind["products"] > 0 and by_kind["attention"] > 0
     every_node = sum(plan.costs.forward_seconds) + sum(plan.costs.backward_seconds)
     assert sum(by_kind.values()) == pytest.approx(every_node)
+
+
+def test_planning_time_times_every_stage_and_the_search_with_its_partitions(capsys):
+    from benchmarks import planning_time
+
+    planning_time.main(["--layers", "2", "--repeats", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    header = lines[0].split()
+    assert header[-3:] == ["with", "partitions", "s"] and "search" in header
+    searched = next(line for line in lines if planning_time.SEARCHED in line).split()
+    assert float(searched[-1]) >= float(searched[-2]) > 0  # the partitions come on top
