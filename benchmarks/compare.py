@@ -126,11 +126,11 @@ def _builds_on(ours: dict[str, Any], peer: dict[str, Any]) -> bool:
 
 def check_targets(rows: list[dict[str, Any]], hw: Hardware) -> list[str]:
     """The targets of the benchmarks issue, each met or missed by how much."""
-    ok = [r for r in rows if r["status"] == "ok" and r.get("peak_bytes") is not None]
+    ok = _measured(rows)
     ours = [r for r in ok if r["family"] == "offload_pass"]
     if not ours:
         return ["no offload_pass point with memory figures: targets not checked"]
-    base = next((r for r in ok if r["config"] == BASELINE), None)
+    base = _baseline(ok)
     lines = []
     peers = [r for r in ok if r["family"] not in ("offload_pass",) and r["config"] != BASELINE]
     for peer in peers:
@@ -176,15 +176,23 @@ def check_targets(rows: list[dict[str, Any]], hw: Hardware) -> list[str]:
 def against_checkpointing(rows: list[dict[str, Any]], hw: Hardware) -> list[str]:
     """Whether some offload_pass point at or under "checkpoint blocks"' peak is at least
     10% faster than it (none where checkpointing did not run)."""
-    ok = [r for r in rows if r["status"] == "ok" and r.get("peak_bytes") is not None]
+    ok = _measured(rows)
     checkpoint = next((r for r in ok if r["config"] == "checkpoint blocks"), None)
     if checkpoint is None:
         return []
     ours = [r for r in ok if r["family"] == "offload_pass" and not _builds_on(r, checkpoint)]
     if not ours:
         return []
-    base = next((r for r in ok if r["config"] == BASELINE), None)
-    return [_against_checkpointing(checkpoint, ours, base, hw)]
+    return [_against_checkpointing(checkpoint, ours, _baseline(ok), hw)]
+
+
+def _measured(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows that ran and have memory figures."""
+    return [r for r in rows if r["status"] == "ok" and r.get("peak_bytes") is not None]
+
+
+def _baseline(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    return next((r for r in rows if r["config"] == BASELINE), None)
 
 
 def _against_checkpointing(

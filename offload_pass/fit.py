@@ -4,8 +4,10 @@ The cost model's peak is a prediction from the FX graphs, and the compiled code 
 more than the graphs show (values the compiler realizes together, a library's workspace).
 :func:`fit_memory_budget` runs the user's steps under ``memory_budget``, reads the peak
 they reach, and plans again for a budget lowered by the overshoot, until the measured
-peak is at or under the target. Each trial compiles afresh, so fitting costs a compile
-per trial; its result is a budget in bytes to pass to :func:`offload_pass.backend`.
+peak is at or under the target, the trials run out, or a lower budget stops lowering the
+peak. Each trial compiles afresh, so fitting costs a compile per trial. The returned
+:class:`BudgetFit` says whether the target was met, and its ``planned_bytes`` is the
+budget to pass to :func:`offload_pass.backend`.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class BudgetFit:
 
     @property
     def chosen(self) -> BudgetTrial:
+        """The trial to keep (class docstring)."""
         met = [t for t in self.trials if t.peak_bytes <= self.target_bytes]
         return met[0] if met else min(self.trials, key=lambda t: t.peak_bytes)
 
@@ -51,6 +54,7 @@ class BudgetFit:
 
     @property
     def met(self) -> bool:
+        """Whether the chosen trial's measured peak is at or under the target."""
         return self.chosen.peak_bytes <= self.target_bytes
 
     def __str__(self) -> str:
@@ -99,8 +103,10 @@ def fit_memory_budget(run_at: RunAtBudget, target_bytes: int, attempts: int = 3)
 
 
 def _checked_peak(peak: object) -> int:
-    if isinstance(peak, bool) or not isinstance(peak, int) or peak <= 0:
-        raise TypeError(f"run_at must return the peak in bytes (a positive int), got {peak!r}")
+    if isinstance(peak, bool) or not isinstance(peak, int):
+        raise TypeError(f"run_at must return the peak in bytes (an int), got {peak!r}")
+    if peak <= 0:
+        raise ValueError(f"run_at must return the peak in bytes (positive), got {peak!r}")
     return peak
 
 

@@ -20,7 +20,7 @@ import torch.fx
 
 from offload_pass import _compat, ops
 from offload_pass.analysis import SavedGroup
-from offload_pass.graphs import ChunkGraphs, materializes, view_chain
+from offload_pass.graphs import ChunkGraphs, materializes, tensor_values, view_chain
 from offload_pass.layout import dense_layout
 from offload_pass.simulate import Transfer
 from offload_pass.symbolic import SymbolSources
@@ -154,8 +154,8 @@ def _wait_tokens(
     """What a bucket's offload_wait must come after: every kernel reading its storages,
     and the point the planner chose. (Depending on the readers' results keeps a compiler
     from computing a fused read after the wait.) A moved storage stands in by its ticket,
-    so its own wait stays its last use. ``tickets``: each moved root's offload; ``order``:
-    each forward node's position."""
+    so its own wait stays its last use; tokens the others already imply are left out.
+    ``tickets``: each moved root's offload; ``order``: each forward node's position."""
     wait_after = bucket[0].wait_after
     placed = order[_past_offloads(wait_after)]
     ticket = tickets[bucket[0].root]
@@ -188,14 +188,17 @@ def _without_implied(
 def _cover(
     node: torch.fx.Node, lowest: int, order: dict[torch.fx.Node, int], covered: set[torch.fx.Node]
 ) -> None:
-    """Add ``node`` and its ancestors from position ``lowest`` on to ``covered``."""
+    """Add ``node`` and its ancestors from position ``lowest`` on to ``covered``, through
+    tensor values only: a size taken from a tensor (``sym_size``) does not wait for the
+    kernel computing it."""
     stack = [node]
     while stack:
         current = stack.pop()
         if current in covered or order[current] < lowest:
             continue
         covered.add(current)
-        stack.extend(current.all_input_nodes)
+        if tensor_values(current.meta.get("val")):
+            stack.extend(current.all_input_nodes)
 
 
 def _stand_in(

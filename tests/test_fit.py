@@ -4,7 +4,9 @@ one overshot, and the fit keeps the first trial that meets the target."""
 from __future__ import annotations
 
 import pytest
+import torch
 
+import offload_pass
 from offload_pass import BudgetTrial, fit_memory_budget
 
 GIB = 2**30
@@ -79,3 +81,13 @@ def test_bad_arguments_are_named(kwargs, message):
 def test_a_step_that_does_not_return_its_peak_is_refused():
     with pytest.raises(TypeError, match="run_at must return the peak in bytes"):
         fit_memory_budget(lambda budget: None, GIB)
+    with pytest.raises(ValueError, match="run_at must return the peak in bytes"):
+        fit_memory_budget(lambda budget: 0, GIB)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_peak_counts_what_the_run_allocates_on_top_of_what_was_there():
+    held = torch.empty(GIB // 4, dtype=torch.uint8, device="cuda")
+    peak = offload_pass.cuda_peak(lambda: torch.empty(GIB // 2, dtype=torch.uint8, device="cuda"))
+    assert peak >= held.numel() + GIB // 2

@@ -87,6 +87,42 @@ def test_each_wait_follows_every_read_and_holds_no_token_it_does_not_need(plan):
             assert not (token in others and read_by_others_only), token.name
 
 
+def _chain(read_after: bool, size_only: bool = False) -> dict[str, torch.fx.Node]:
+    """x -> a -> b, with ``a`` read again by ``c`` after ``b`` (``read_after``), and ``b``
+    made from a's size alone (``size_only``) rather than from a's values."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    a = graph.call_function(torch.relu, (x,))
+    source = graph.call_function(torch.ops.aten.sym_size.int, (a, 0)) if size_only else a
+    b = graph.call_function(torch.neg, (x,) if size_only else (source,))
+    if size_only:
+        b = graph.call_function(torch.ops.aten.view.default, (b, [source]))
+    nodes = {"x": x, "a": a, "b": b}
+    if read_after:
+        nodes["c"] = graph.call_function(torch.exp, (a,))
+    for node in graph.nodes:
+        node.meta["val"] = 3 if node.target is torch.ops.aten.sym_size.int else torch.empty(3)
+    return nodes
+
+
+@pytest.mark.parametrize(
+    ("read_after", "size_only", "kept"),
+    [(False, False, ["b"]), (True, False, ["a", "b"]), (False, True, ["a", "b"])],
+)
+def test_a_token_is_left_out_only_where_the_others_wait_for_all_its_reads(
+    read_after, size_only, kept
+):
+    """A token read by nothing but the later token's ancestry is implied by it; one read
+    again after that token, or one whose size alone the later token takes, is not."""
+    from offload_pass.rewrite import _without_implied
+
+    nodes = _chain(read_after, size_only)
+    graph = nodes["x"].graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    tokens = _without_implied([nodes["a"], nodes["b"]], order)
+    assert [t.name for t in tokens] == [nodes[k].name for k in kept]
+
+
 def test_backward_reads_host_tensors_and_waits_before_first_use(plan):
     graph = plan.backward.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
