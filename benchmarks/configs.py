@@ -171,18 +171,13 @@ def ours(**options: Any) -> Callable[[nn.Module, dict[str, Any]], Forward]:
     return prepare
 
 
-MEASURED_FIT_STEPS = 1
-"""Steps each trial of a fitted budget measures the peak of, after one that compiles (the
-harness's target, a peak, is measured over steps after the compiling one too)."""
-
-
 def fitted_step(task: nn.Module, target_bytes: int, shared: dict[str, Any]) -> Forward:
     """``task`` (a module returning the loss) compiled with offload_pass under a
     ``memory_budget`` fitted to the measured peak (:func:`offload_pass.fit_memory_budget`):
-    the first call runs the trials on its batch (a compiling step, then
-    ``MEASURED_FIT_STEPS`` steps measured), and keeps the
-    chosen trial's compiled step (it compiles again if a later trial ran after it), so the
-    trials' compiles count in the first step's time."""
+    the first call runs the trials on its batch, each a compiling step and then one step
+    whose peak is measured (as the harness measures its target, after the compiling one),
+    and keeps the chosen trial's compiled step (it compiles again if a later trial ran
+    after it), so the trials' compiles count in the first step's time."""
     trials: dict[int, tuple[Forward, offload_pass.OffloadBackend]] = {}
     kept: list[Forward] = []
 
@@ -191,14 +186,13 @@ def fitted_step(task: nn.Module, target_bytes: int, shared: dict[str, Any]) -> F
         backend = offload_pass.backend(memory_budget=budget)
         step = torch.compile(task, backend=backend)
 
-        def steps(count: int) -> None:
-            for _ in range(count):
-                step(batch).backward()
-                task.zero_grad(set_to_none=True)
+        def train_step() -> None:
+            step(batch).backward()
+            task.zero_grad(set_to_none=True)
 
         trials[budget] = step, backend
-        steps(1)
-        return offload_pass.cuda_peak(lambda: steps(MEASURED_FIT_STEPS))
+        train_step()  # compiles
+        return offload_pass.cuda_peak(train_step)
 
     def forward(batch: Any) -> torch.Tensor:
         if not kept:

@@ -87,40 +87,40 @@ def test_each_wait_follows_every_read_and_holds_no_token_it_does_not_need(plan):
             assert not (token in others and read_by_others_only), token.name
 
 
-def _chain(read_after: bool, size_only: bool = False) -> dict[str, torch.fx.Node]:
-    """x -> a -> b, with ``a`` read again by ``c`` after ``b`` (``read_after``), and ``b``
-    made from a's size alone (``size_only``) rather than from a's values."""
-    graph = torch.fx.Graph()
-    x = graph.placeholder("x")
-    a = graph.call_function(torch.relu, (x,))
-    source = graph.call_function(torch.ops.aten.sym_size.int, (a, 0)) if size_only else a
-    b = graph.call_function(torch.neg, (x,) if size_only else (source,))
-    if size_only:
-        b = graph.call_function(torch.ops.aten.view.default, (b, [source]))
-    nodes = {"x": x, "a": a, "b": b}
-    if read_after:
-        nodes["c"] = graph.call_function(torch.exp, (a,))
-    for node in graph.nodes:
-        node.meta["val"] = 3 if node.target is torch.ops.aten.sym_size.int else torch.empty(3)
-    return nodes
+def _read_by_b_alone(graph: torch.fx.Graph, a: torch.fx.Node) -> torch.fx.Node:
+    return graph.call_function(torch.neg, (a,))
+
+
+def _read_again_after_b(graph: torch.fx.Graph, a: torch.fx.Node) -> torch.fx.Node:
+    b = graph.call_function(torch.neg, (a,))
+    graph.call_function(torch.exp, (a,))
+    return b
+
+
+def _only_its_size_taken_by_b(graph: torch.fx.Graph, a: torch.fx.Node) -> torch.fx.Node:
+    size = graph.call_function(torch.ops.aten.sym_size.int, (a, 0))
+    size.meta["val"] = 3
+    fresh = graph.call_function(torch.neg, (next(iter(graph.nodes)),))
+    return graph.call_function(torch.ops.aten.view.default, (fresh, [size]))
 
 
 @pytest.mark.parametrize(
-    ("read_after", "size_only", "kept"),
-    [(False, False, ["b"]), (True, False, ["a", "b"]), (False, True, ["a", "b"])],
+    ("make_b", "a_kept"),
+    [(_read_by_b_alone, False), (_read_again_after_b, True), (_only_its_size_taken_by_b, True)],
 )
-def test_a_token_is_left_out_only_where_the_others_wait_for_all_its_reads(
-    read_after, size_only, kept
-):
-    """A token read by nothing but the later token's ancestry is implied by it; one read
-    again after that token, or one whose size alone the later token takes, is not."""
+def test_a_token_is_left_out_only_where_the_others_wait_for_all_its_reads(make_b, a_kept):
+    """Token ``a``, read by nothing but later token ``b``'s ancestry, is implied by it;
+    one read again after ``b``, or whose size alone ``b`` takes, is not."""
     from offload_pass.rewrite import _without_implied
 
-    nodes = _chain(read_after, size_only)
-    graph = nodes["x"].graph
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    a = graph.call_function(torch.relu, (x,))
+    b = make_b(graph, a)
+    for node in graph.nodes:
+        node.meta.setdefault("val", torch.empty(3))
     order = {n: i for i, n in enumerate(graph.nodes)}
-    tokens = _without_implied([nodes["a"], nodes["b"]], order)
-    assert [t.name for t in tokens] == [nodes[k].name for k in kept]
+    assert _without_implied([a, b], order) == ([a, b] if a_kept else [b])
 
 
 def test_backward_reads_host_tensors_and_waits_before_first_use(plan):
