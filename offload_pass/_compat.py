@@ -66,6 +66,31 @@ def stock_partition(
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
+@contextlib.contextmanager
+def saved_by_partitioner(joint: torch.fx.GraphModule, names: frozenset[str]) -> Iterator[None]:
+    """While open, the partitioner must save the joint graph's nodes named ``names``: each
+    carries the selective-checkpointing policy ``MUST_SAVE``, which the min-cut partitioner
+    reads. Nodes that carry a policy of their own keep it."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    marked = [n for n in joint.graph.nodes if n.name in names and "recompute" not in n.meta]
+    for node in marked:
+        node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    try:
+        yield
+    finally:
+        for node in marked:
+            del node.meta["recompute"]
+
+
+def realize_reads_threshold() -> int:
+    """How many buffers Inductor lets a pointwise value read, computed inside each kernel
+    that reads it, before it writes the value out once instead."""
+    from torch._inductor import config
+
+    return config.realize_reads_threshold
+
+
 def activation_memory_budget() -> float:
     """The partitioner's own recompute budget (``torch._functorch.config``)."""
     from torch._functorch import config

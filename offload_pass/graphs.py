@@ -123,11 +123,11 @@ def is_fusible(node: torch.fx.Node) -> bool:
     )
 
 
-def _consumers(node: torch.fx.Node) -> list[torch.fx.Node]:
+def consumers(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The nodes reading ``node``'s values, looking through views."""
     found = []
     for user in node.users:
-        found.extend(_consumers(user) if is_view(user) and user.args[0] is node else [user])
+        found.extend(consumers(user) if is_view(user) and user.args[0] is node else [user])
     return found
 
 
@@ -138,7 +138,7 @@ def materializes(node: torch.fx.Node) -> bool:
         return True
     if node.op != "call_function" or is_view(node):
         return False
-    return not is_fusible(node) or not all(is_fusible(c) for c in _consumers(node))
+    return not is_fusible(node) or not all(is_fusible(c) for c in consumers(node))
 
 
 def kernels_reading(
@@ -151,7 +151,7 @@ def kernels_reading(
         if materializes(node) or node.op == "output":
             known[node] = frozenset((node,))
         else:
-            known[node] = frozenset(k for c in _consumers(node) for k in kernels_reading(c, known))
+            known[node] = frozenset(k for c in consumers(node) for k in kernels_reading(c, known))
     return known[node]
 
 
@@ -249,7 +249,7 @@ def fused_kernels(nodes: Sequence[torch.fx.Node]) -> dict[torch.fx.Node, torch.f
     def fused_readers(value: torch.fx.Node) -> list[torch.fx.Node]:
         """The fusible kernels computing what reads ``value``."""
         found = []
-        for consumer in _consumers(value):
+        for consumer in consumers(value):
             if is_fusible(consumer):
                 found.extend(
                     k for k in kernels_reading(consumer, known) if k in parent and is_fusible(k)

@@ -15,19 +15,32 @@ from offload_pass.graphs import ChunkGraphs
 from offload_pass.joint import Partition, plan_jointly, search_levels
 from offload_pass.options import FractionRule, OffloadOptions
 from offload_pass.plan import Plan
+from offload_pass.realized import held_recomputations
 
 
 def stock_splits(
     joint: torch.fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
 ) -> Partition:
-    """The stock min-cut partitioner's split of ``joint``, under a recompute budget."""
+    """The stock min-cut partitioner's split of ``joint``, under a recompute budget.
 
-    def split(recompute_budget: float | None) -> ChunkGraphs:
+    Where the split recomputes values that Inductor would write out and hold through
+    backward (:mod:`offload_pass.realized`), the partitioner splits again, told to save
+    them."""
+
+    def stock(recompute_budget: float | None) -> ChunkGraphs:
         forward, backward = map(
             _compat.lazy_graph_module,
             _compat.stock_partition(joint, joint_inputs, recompute_budget, **kwargs),
         )
         return ChunkGraphs(forward, backward, kwargs["num_fwd_outputs"])
+
+    def split(recompute_budget: float | None) -> ChunkGraphs:
+        graphs = stock(recompute_budget)
+        held = held_recomputations(graphs, _compat.realize_reads_threshold())
+        if not held:
+            return graphs
+        with _compat.saved_by_partitioner(joint, held):
+            return stock(recompute_budget)
 
     return split
 
