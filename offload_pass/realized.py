@@ -39,7 +39,10 @@ def held_recomputations(graphs: ChunkGraphs, reads_threshold: int) -> frozenset[
     """The names of the values ``graphs`` recomputes in backward that Inductor would write
     out and hold across a kernel that cannot fuse: pointwise, read only by pointwise ops
     (so a graph-level model computes them in each reader), with readers on both sides of
-    such a kernel, and more than ``reads_threshold`` buffers to read if inlined.
+    such a kernel, and more than ``reads_threshold`` buffers to read if inlined. A value
+    held is written out, so what is computed from it reads it as one buffer: along a
+    chain, every few links are held (as Inductor writes them), and a dtype conversion of
+    a held link is not held itself.
 
     A recomputed value is one computed in both graphs; the partitioner copies each node of
     the joint graph under its own name, so the names are the joint graph's."""
@@ -59,6 +62,7 @@ def held_recomputations(graphs: ChunkGraphs, reads_threshold: int) -> frozenset[
         first, last = min(map(position.get, readers)), max(map(position.get, readers))
         if len(reads[node]) > reads_threshold and kernels_before[last] > kernels_before[first]:
             held.add(node.name)
+            reads[node] = frozenset((node,))  # written out: what reads it reads one buffer
     return frozenset(held)
 
 
