@@ -1,5 +1,6 @@
 """Fitting a memory budget to the measured peak: each trial plans lower by what the last
-one overshot, and the fit keeps the first trial that meets the target."""
+one overshot, or higher by what it fell short, and the fit keeps the highest budget that
+met the target."""
 
 from __future__ import annotations
 
@@ -32,10 +33,31 @@ def test_an_overshoot_is_taken_off_the_next_budget():
     assert fit.trials[-1] == BudgetTrial(7 * GIB - GIB // 4, 7 * GIB)
 
 
-def test_a_budget_met_at_once_is_kept_after_one_trial():
+def test_a_budget_met_within_the_slack_is_kept_after_one_trial():
+    run_at, planned = _overshooting_by(-GIB // 10)
+    fit = fit_memory_budget(run_at, 7 * GIB, slack=0.02)
+    assert planned == [7 * GIB] and fit.met and fit.planned_bytes == 7 * GIB
+
+
+def test_a_shortfall_beyond_the_slack_is_added_to_the_next_budget():
     run_at, planned = _overshooting_by(-GIB)
     fit = fit_memory_budget(run_at, 7 * GIB)
-    assert planned == [7 * GIB] and fit.met and fit.planned_bytes == 7 * GIB
+    assert planned == [7 * GIB, 8 * GIB]  # the second trial peaks at the target: stop
+    assert fit.met and fit.chosen == BudgetTrial(8 * GIB, 7 * GIB)
+
+
+def test_budgets_stay_between_the_highest_that_met_and_the_lowest_that_overshot():
+    planned: list[int] = []
+
+    def run_at(budget: int) -> int:  # 1 GiB under its budget below 8 GiB, 0.5 over from it
+        planned.append(budget)
+        return budget - GIB if budget < 8 * GIB else budget + GIB // 2
+
+    fit = fit_memory_budget(run_at, 7 * GIB, attempts=4)
+    # 7 -> 6 (raise by 1), 8 -> 8.5 (the move to 6.5 leaves the bracket: its middle, 7.5),
+    # 7.5 -> 6.5 (the move to 8 reaches the overshooting budget: the middle, 7.75)
+    assert planned == [7 * GIB, 8 * GIB, 15 * GIB // 2, 31 * GIB // 4]
+    assert fit.met and fit.chosen == BudgetTrial(31 * GIB // 4, 27 * GIB // 4)
 
 
 def test_a_miss_after_every_attempt_keeps_the_trial_with_the_lowest_peak():
@@ -71,6 +93,8 @@ def test_the_fit_stops_before_planning_for_nothing():
         ({"target_bytes": 0}, "target_bytes must be a positive"),
         ({"target_bytes": 7.5}, "target_bytes must be a positive"),
         ({"target_bytes": GIB, "attempts": 0}, "attempts must be an int of at least 1"),
+        ({"target_bytes": GIB, "slack": 1.0}, "slack must be a share of the target"),
+        ({"target_bytes": GIB, "slack": -0.1}, "slack must be a share of the target"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, message):
