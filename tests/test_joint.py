@@ -5,10 +5,13 @@ under that split."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from offload_pass import joint as joint_search
+from offload_pass.driver import PlannedChunk
 from offload_pass.joint import RECOMPUTE_LEVELS, search_levels
 from offload_pass.options import OffloadOptions
 from offload_pass.profiles import BUILT_IN
@@ -119,3 +122,68 @@ def test_no_search_where_the_graph_carries_its_own_recompute_budget():
     joint = torch.fx.symbolic_trace(models.MLP())
     next(iter(joint.graph.nodes)).meta["memory_budget"] = 0.5
     assert search_levels(OffloadOptions(memory_budget=BUDGET), joint) == ()
+
+
+def _stub_split(step_ms: float, unmoved_ms: float, level: float | None, shortfall: int = 0):
+    """A planned split as the search reads it: its predicted step, its step with nothing
+    moved, and what it misses the budget by."""
+    prediction = SimpleNamespace(step_seconds=step_ms / 1e3, baseline_seconds=unmoved_ms / 1e3)
+    planned = SimpleNamespace(prediction=prediction, budget_shortfall=shortfall, budget_bytes=1)
+    return PlannedChunk(None, None, planned, {}, level)
+
+
+def _search(monkeypatch, splits: dict[float | None, PlannedChunk]):
+    tried: list[float | None] = []
+
+    def planned(partition, level, options, rule):
+        tried.append(level)
+        return splits[level]
+
+    monkeypatch.setattr(joint_search, "_planned", planned)
+    options = OffloadOptions(memory_budget=0.5)
+    kept = joint_search.plan_jointly(None, options, options.fraction_rule(), RECOMPUTE_LEVELS)
+    return kept, tried
+
+
+def test_the_search_goes_past_a_level_that_does_not_improve_while_a_lower_one_could(monkeypatch):
+    """W2's pattern under the H200 rates: 0.6 is slower than 0.8, 0.4 faster than both."""
+    splits = {
+        None: _stub_split(1000, 500, None),
+        0.8: _stub_split(594, 507, 0.8),
+        0.6: _stub_split(614, 529, 0.6),
+        0.4: _stub_split(572, 558, 0.4),
+        0.2: _stub_split(594, 594, 0.2),
+    }
+    kept, tried = _search(monkeypatch, splits)
+    # after 0.2, nothing lower is left; 0.2's step with nothing moved (594) is over 572
+    assert tried == [None, 0.8, 0.6, 0.4, 0.2] and kept.recompute_budget == 0.4
+
+
+def test_the_search_stops_once_no_lower_level_can_beat_the_best(monkeypatch):
+    splits = {
+        None: _stub_split(1000, 500, None),
+        0.8: _stub_split(560, 507, 0.8),
+        0.6: _stub_split(590, 565, 0.6),  # with nothing moved already slower than 560
+    }
+    kept, tried = _search(monkeypatch, splits)
+    assert tried == [None, 0.8, 0.6] and kept.recompute_budget == 0.8
+
+
+def test_a_split_that_misses_the_budget_does_not_end_the_search(monkeypatch):
+    splits = {
+        None: _stub_split(1000, 500, None, shortfall=100),
+        0.8: _stub_split(520, 510, 0.8, shortfall=50),
+        0.6: _stub_split(600, 530, 0.6),
+        0.4: _stub_split(640, 640, 0.4),
+    }
+    kept, tried = _search(monkeypatch, splits)
+    assert tried == [None, 0.8, 0.6, 0.4] and kept.recompute_budget == 0.6
+
+
+def test_a_level_no_nearer_a_budget_nothing_met_ends_the_search(monkeypatch):
+    splits = {
+        None: _stub_split(1000, 500, None, shortfall=100),
+        0.8: _stub_split(520, 510, 0.8, shortfall=120),
+    }
+    kept, tried = _search(monkeypatch, splits)
+    assert tried == [None, 0.8] and kept.recompute_budget is None
