@@ -1,7 +1,8 @@
 """What a memory budget's plan predicts on each split the joint search may try: the
 stock partition, then the partitioner recomputing more (``offload_pass.joint``), each
-planned for the same budget in bytes, and the split the search keeps. Planned on the CPU
-(nothing runs; ``offload_pass.explain``) with the H200 profile.
+planned for the same budget in bytes, and the split the search keeps. Nothing runs
+(``offload_pass.explain``): on the CPU the plans use the H200 profile; with ``--device
+cuda`` they use the device's own trace (its attention kernels) and measured rates.
 
     python -m benchmarks.recompute_levels --workload W1 --budget-gib 7.35
 """
@@ -23,7 +24,8 @@ MiB = 2**20
 
 def planned(task: torch.nn.Module, x: torch.Tensor, **options: object) -> dict[str, object]:
     torch.compiler.reset()
-    (plan,) = offload_pass.explain(task, x, profile="h200", **options).plans
+    profile = "h200" if x.device.type == "cpu" else None
+    (plan,) = offload_pass.explain(task, x, profile=profile, **options).plans
     p = plan.prediction
     return {
         "split": "stock" if plan.recompute_budget is None else plan.recompute_budget,
@@ -41,8 +43,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="W1", choices=list(workloads.BY_NAME))
     parser.add_argument("--budget-gib", type=float, required=True)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
-    model, x = workloads.build(workloads.BY_NAME[args.workload], "cpu")
+    model, x = workloads.build(workloads.BY_NAME[args.workload], args.device)
     task = workloads.WithLoss(model)
     budget = int(args.budget_gib * GiB)
     rows = [

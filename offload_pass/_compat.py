@@ -70,7 +70,9 @@ def stock_partition(
 def saved_by_partitioner(joint: torch.fx.GraphModule, names: frozenset[str]) -> Iterator[None]:
     """While open, the partitioner must save the joint graph's nodes named ``names``: each
     carries the selective-checkpointing policy ``MUST_SAVE``, which the min-cut partitioner
-    reads. Nodes that carry a policy of their own keep it."""
+    reads. Nodes that carry a policy of their own keep it. The partitioner's common
+    subexpression pass replaces ``joint.graph`` by a copy, marks and all: the marks are
+    lifted from both."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     marked = [n for n in joint.graph.nodes if n.name in names and "recompute" not in n.meta]
@@ -79,8 +81,10 @@ def saved_by_partitioner(joint: torch.fx.GraphModule, names: frozenset[str]) -> 
     try:
         yield
     finally:
-        for node in marked:
-            del node.meta["recompute"]
+        marked_names = {n.name for n in marked}
+        copies = [n for n in joint.graph.nodes if n.name in marked_names]
+        for node in (*marked, *copies):
+            node.meta.pop("recompute", None)
 
 
 def realize_reads_threshold() -> int:

@@ -65,15 +65,21 @@ def test_held_are_the_recomputed_links_read_across_a_product_past_the_read_limit
     assert held_recomputations(graphs, reads_threshold=100) == frozenset()
 
 
-def _stock_and_ours(budget: float, depth: int) -> dict[str, ChunkGraphs]:
+def _stock_and_ours(
+    budget: float, depth: int, marks_left: list[str] | None = None
+) -> dict[str, ChunkGraphs]:
     """The stock partitioner's split of a residual stack under ``budget``, and the
-    partition stage's, from the joint graph Inductor would partition."""
+    partition stage's, from the joint graph Inductor would partition. ``marks_left``
+    receives the joint graph's nodes that carry a recompute policy after the stage's
+    split."""
     found: dict[str, ChunkGraphs] = {}
 
     def partition(joint, joint_inputs, **kwargs):
         stock = _compat.stock_partition(joint, joint_inputs, budget, **kwargs)
         found["stock"] = ChunkGraphs(*stock, kwargs["num_fwd_outputs"])
         found["ours"] = stock_splits(joint, joint_inputs, **kwargs)(budget)
+        if marks_left is not None:
+            marks_left.extend(n.name for n in joint.graph.nodes if "recompute" in n.meta)
         return found["ours"].forward, found["ours"].backward
 
     def backend(gm, example_inputs):
@@ -111,6 +117,16 @@ def test_the_marks_are_lifted_after_the_split():
         assert sorted(marked) == sorted(names)
     assert [n for n in joint.graph.nodes if "recompute" in n.meta] == [first]
     assert first.meta["recompute"] == "the user's own"
+
+
+def test_no_marks_outlive_the_split_again_on_the_graph_the_partitioner_leaves():
+    """The partitioner replaces the joint graph by its common-subexpression copy, the
+    stage's marks copied with it; a search splitting that graph again under a lower
+    budget must not save what an earlier split held."""
+    marks_left: list[str] = []
+    splits = _stock_and_ours(budget=0.5, depth=6, marks_left=marks_left)
+    assert held_recomputations(splits["stock"], _compat.realize_reads_threshold())
+    assert marks_left == []
 
 
 def test_steps_split_again_equal_the_model_without_offloading():
