@@ -391,3 +391,28 @@ def test_planning_time_times_every_stage_and_the_search_with_its_partitions(caps
     assert header[-3:] == ["with", "partitions", "s"] and "search" in header
     searched = next(line for line in lines if planning_time.SEARCHED in line).split()
     assert float(searched[-1]) >= float(searched[-2]) > 0  # the partitions come on top
+
+
+def test_a_fitted_step_reports_only_the_kept_budgets_plan(monkeypatch):
+    """Where a later trial ran after the one the fit keeps, the kept budget is compiled
+    afresh: its first backend would plan the recompile beside its first plan, and the
+    harness sums a backend's plans into the predicted step."""
+    import offload_pass
+    from benchmarks import configs, workloads
+
+    model, x = workloads.build(workloads.TINY, "cpu")
+    target = 1 << 20
+    peaks = iter([target * 1.1, target * 0.9, target * 1.05])  # over, under, over
+
+    def scripted_peak(run) -> int:
+        run()
+        return int(next(peaks))
+
+    monkeypatch.setattr(offload_pass, "cuda_peak", scripted_peak)
+    shared: dict = {}
+    step = configs.fitted_step(workloads.WithLoss(model), target, shared)
+    step(x).backward()
+    step(x).backward()
+    (plan,) = shared["backend"].plans
+    assert shared["backend"].options.memory_budget < target  # the second trial's budget
+    assert plan.prediction.step_seconds > 0
