@@ -16,11 +16,10 @@ nothing moved: each level recomputes more than the last, so no lower level's pla
 faster (the step of a split with nothing moved bounds every plan on it from below, and it
 grows as the level falls), and each split costs a partition. Where a plan meets the
 budget, a level that does not improve on it does not end the search: one that recomputes
-more may leave less to move (W2 at 13.96 GiB, planned with the H200 rates: 594 ms at 0.8,
-614 at 0.6, 572 at 0.4). Where none meets it yet, the first level that gets no nearer
-does. The kept plan's
-``stage_seconds`` carry the seconds spent splitting and planning the splits not kept
-(``"search"``).
+more may leave less to move (W2 at 13.96 GiB, planned on the H200: 735 ms at 0.8, 751 at
+0.6, 615 at 0.4). Where none meets it yet, the first level that gets no nearer does.
+The kept plan's ``stage_seconds`` carry the seconds spent splitting and planning the splits
+not kept (``"search"``).
 """
 
 from __future__ import annotations
