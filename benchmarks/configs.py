@@ -180,7 +180,7 @@ def fitted_step(task: nn.Module, target_bytes: int, shared: dict[str, Any]) -> F
     step's time. Where a later trial ran after the chosen one, the chosen budget is
     compiled afresh under a new backend: the old one would plan its recompile beside its
     first plan, and the harness sums a backend's plans."""
-    trials: list[tuple[int, Forward, offload_pass.OffloadBackend]] = []
+    latest: dict[int, tuple[Forward, offload_pass.OffloadBackend]] = {}  # the last trial's
     kept: list[Forward] = []
 
     def compiled_at(budget: int) -> tuple[Forward, offload_pass.OffloadBackend]:
@@ -195,7 +195,8 @@ def fitted_step(task: nn.Module, target_bytes: int, shared: dict[str, Any]) -> F
             step(batch).backward()
             task.zero_grad(set_to_none=True)
 
-        trials.append((budget, step, backend))
+        latest.clear()
+        latest[budget] = step, backend
         train_step()  # compiles
         return offload_pass.cuda_peak(train_step)
 
@@ -203,9 +204,7 @@ def fitted_step(task: nn.Module, target_bytes: int, shared: dict[str, Any]) -> F
         if not kept:
             fit = offload_pass.fit_memory_budget(lambda b: run_at(b, batch), target_bytes)
             print(f"fitted budget: {fit}", flush=True)
-            last_budget, step, backend = trials[-1]
-            if last_budget != fit.planned_bytes:
-                step, backend = compiled_at(fit.planned_bytes)
+            step, backend = latest.get(fit.planned_bytes) or compiled_at(fit.planned_bytes)
             shared["backend"] = backend
             kept.append(step)
         return kept[0](batch)
