@@ -329,7 +329,7 @@ def run_workload(
     name: str, wanted: Sequence[str], steps: int, device: torch.device, show_plans: bool = False
 ) -> list[Measurement]:
     workload = workloads.BY_NAME[name]
-    chosen = [c for c in configs.all_configs() if not wanted or c.name in wanted]
+    chosen = configs.named(wanted)
     chosen.sort(key=lambda c: FIRST.index(c.name) if c.name in FIRST else len(FIRST))
     shared: dict[str, Any] = {}
     results = []
@@ -411,6 +411,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     if args.recheck is not None:
         return recheck(args.recheck)
+    try:
+        configs.named(args.configs)
+    except ValueError as error:
+        parser.error(str(error))
 
     device = torch.device(args.device)
     hardware = Hardware.measured(device)

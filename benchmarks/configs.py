@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -235,29 +236,51 @@ def our_configs(budgets: tuple[float, ...]) -> list[Config]:
     return configs
 
 
+def budget_configs(gib: float) -> tuple[Config, Config]:
+    """offload_pass under a budget of ``gib`` GiB, as planned and fitted to the measured peak."""
+    target = round(gib * 2**30)
+    return (
+        Config(f"offload_pass budget {gib:g} GiB", "offload_pass", ours(memory_budget=target)),
+        Config(
+            f"offload_pass budget {gib:g} GiB, fitted",
+            "offload_pass",
+            fitted_ours(target),
+            cuda_only=True,
+        ),
+    )
+
+
+_BUDGET_IN_GIB = re.compile(r"offload_pass budget (\d+(?:\.\d+)?) GiB(?:, fitted)?")
+
+
+def named(names: Sequence[str]) -> list[Config]:
+    """The configurations called ``names``, in :func:`all_configs`'s order (all of them
+    when ``names`` is empty); ``"offload_pass budget <x> GiB"`` and its ``", fitted"``
+    form name a budget of any size. Raises ``ValueError`` naming what is unknown."""
+    known = all_configs()
+    by_name = {c.name: c for c in known}
+    for name in names:
+        match = _BUDGET_IN_GIB.fullmatch(name)
+        if match and name not in by_name:
+            extra = budget_configs(float(match.group(1)))
+            known += extra
+            by_name.update((c.name, c) for c in extra)
+    unknown = [name for name in names if name not in by_name]
+    if unknown:
+        raise ValueError(
+            f"unknown configurations {unknown}; known: {sorted(by_name)}, and "
+            "'offload_pass budget <x> GiB' with or without ', fitted' (x as '%g' writes it)"
+        )
+    return [c for c in known if not names or c.name in names]
+
+
 def all_configs() -> list[Config]:
     return [
         Config("eager", "no offload", eager),
         Config("compiled", "no offload", compiled),
         *our_configs(budgets=(0.7, 0.6, 0.5)),
         # checkpointing's peaks as budgets in bytes (W1: runs 17 and 56; W2: run 17)
-        *(
-            Config(
-                f"offload_pass budget {gib:g} GiB",
-                "offload_pass",
-                ours(memory_budget=round(gib * 2**30)),
-            )
-            for gib in (7.35, 12.45)
-        ),
-        *(
-            Config(
-                f"offload_pass budget {gib:g} GiB, fitted",
-                "offload_pass",
-                fitted_ours(round(gib * 2**30)),
-                cuda_only=True,
-            )
-            for gib in (7.35, 12.45)
-        ),
+        *(config for gib in (7.35, 12.45) for config in budget_configs(gib)),
         Config("save_on_cpu", "save_on_cpu", save_on_cpu, cuda_only=True),
         Config("checkpoint blocks", "checkpointing", checkpoint_blocks),
         Config("checkpoint blocks, offload_pass auto", "offload_pass", checkpointed_ours()),

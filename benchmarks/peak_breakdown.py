@@ -48,12 +48,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--configs", nargs="+", required=True)
     parser.add_argument("--top", type=int, default=20, help="sites to list per configuration")
     args = parser.parse_args(argv)
-    by_name = {c.name: c for c in configs.all_configs()}
-    unknown = [name for name in args.configs if name not in by_name]
-    if unknown:
-        parser.error(f"unknown configurations {unknown}; known: {sorted(by_name)}")
-    for name in args.configs:
-        print(breakdown(by_name[name], workloads.BY_NAME[args.workload], args.top), flush=True)
+    try:
+        chosen = configs.named(args.configs)
+    except ValueError as error:
+        parser.error(str(error))
+    for config in chosen:
+        print(breakdown(config, workloads.BY_NAME[args.workload], args.top), flush=True)
 
 
 if __name__ == "__main__":

@@ -412,6 +412,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
+    known = {c.name for c in [*whole_configs(), *per_block_configs(lambda model: model)]}
+    unknown = [name for name in args.configs if name not in known]
+    if unknown:
+        parser.error(f"unknown configurations {unknown}; known: {sorted(known)}")
 
     device = torch.device(args.device)
     hardware = compare.Hardware.measured(device)

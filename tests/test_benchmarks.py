@@ -416,3 +416,24 @@ def test_a_fitted_step_reports_only_the_kept_budgets_plan(monkeypatch):
     (plan,) = shared["backend"].plans
     assert shared["backend"].options.memory_budget < target  # the second trial's budget
     assert plan.prediction.step_seconds > 0
+
+
+def test_configs_name_a_budget_of_any_size_and_reject_unknown_names():
+    from torch import nn
+
+    from benchmarks import configs
+
+    chosen = configs.named(["offload_pass budget 12.35 GiB", "compiled"])
+    assert [c.name for c in chosen] == ["compiled", "offload_pass budget 12.35 GiB"]
+    shared: dict = {}
+    chosen[1].prepare(nn.Linear(2, 2), shared)
+    assert shared["backend"].options.memory_budget == round(12.35 * 2**30)
+    fitted = configs.named(["offload_pass budget 12.35 GiB, fitted"])
+    assert [(c.name, c.cuda_only) for c in fitted] == [
+        ("offload_pass budget 12.35 GiB, fitted", True)
+    ]
+    unknown = r"unknown configurations \['offload_pass budget 12.40 GiB'"
+    with pytest.raises(ValueError, match=unknown):
+        configs.named(["offload_pass budget 12.40 GiB"])  # '%g' writes 12.4
+    with pytest.raises(SystemExit):
+        compare.main(["--configs", "compiled", "no such config"])
