@@ -202,7 +202,7 @@ def cuda_graph_caveat(inductor_config: Any) -> str | None:
     (docs/gpu-validation.md, run 45)."""
     if not inductor_config.triton.cudagraphs:
         return None
-    if not getattr(inductor_config, "graph_partition", False):
+    if not captures_around_transfers(inductor_config):
         return (
             "CUDA graphs (torch.compile mode 'reduce-overhead' or 'max-autotune') are not "
             "captured for a graph "
@@ -216,6 +216,24 @@ def cuda_graph_caveat(inductor_config: Any) -> str | None:
         "run after the compute that does not read them: copies do not overlap compute, so "
         "moving costs the full copy time"
     )
+
+
+def captures_around_transfers(inductor_config: Any) -> bool:
+    """Whether Inductor under ``inductor_config`` (``torch._inductor.config``) captures CUDA
+    graphs in partitions around the ops it cannot capture, the transfers among them
+    (:func:`cuda_graph_caveat` says what that does to the copies). Graph partitioning is
+    a setting from torch 2.9 on; without it no graph holding transfers is captured."""
+    return bool(
+        inductor_config.triton.cudagraphs and getattr(inductor_config, "graph_partition", False)
+    )
+
+
+def inductor_captures_around_transfers() -> bool:
+    """:func:`captures_around_transfers` under the Inductor settings in force: those of
+    the compile in progress, where one is (``torch.compile``'s ``mode``, ``options``)."""
+    from torch._inductor import config
+
+    return captures_around_transfers(config)
 
 
 def inductor_decompositions() -> dict[Any, Callable[..., Any]]:

@@ -21,6 +21,9 @@ import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 
+import torch
+
+from offload_pass import _compat
 from offload_pass.analysis import SavedGroup, find_saved_groups
 from offload_pass.bucket import bucket_transfers
 from offload_pass.calibration import profile_for
@@ -30,6 +33,7 @@ from offload_pass.options import FractionRule, OffloadOptions
 from offload_pass.order import free_memory_early, resident_inputs
 from offload_pass.plan import Plan
 from offload_pass.planner import ChunkPlan, Request, plan_offloads
+from offload_pass.profiles import DeviceProfile
 from offload_pass.rewrite import insert_transfers
 from offload_pass.timing import timer_for
 
@@ -45,6 +49,13 @@ def request_for(
         memory_budget=options.memory_budget,
         in_flight=options.in_flight_microbatches,
     )
+
+
+def planning_profile(options: OffloadOptions, device: torch.device) -> DeviceProfile:
+    """The rates ``device`` runs the chunk at: ``options.profile``'s, changed as CUDA
+    graphs change them where the compile in progress captures them."""
+    profile = profile_for(options.profile, device)
+    return profile.under_cuda_graphs() if _compat.inductor_captures_around_transfers() else profile
 
 
 class _StageClock:
@@ -84,7 +95,7 @@ def plan_chunk(chunk: ChunkGraphs, options: OffloadOptions, rule: FractionRule) 
     with clock.stage("costs"):
         device = chunk.device()
         costs = estimate_costs(
-            chunk, profile_for(options.profile, device), timer_for(options.profile, device)
+            chunk, planning_profile(options, device), timer_for(options.profile, device)
         )
     with clock.stage("plan"):
         request = request_for(groups, options, rule)

@@ -65,6 +65,18 @@ class DeviceProfile:
             elif isinstance(value, float) and not value > 0:
                 raise ValueError(f"DeviceProfile.{field.name} must be positive, got {value!r}")
 
+    def under_cuda_graphs(self) -> DeviceProfile:
+        """The rates of a graph that holds transfers as Inductor captures it in CUDA graphs
+        (``mode="reduce-overhead"``): it runs the transfers after the compute that does not
+        read them, so copies overlap no compute, and it replays the kernels between them
+        from captured graphs, so the host issues none of them one by one."""
+        return dataclasses.replace(
+            self,
+            name=f"{self.name} under CUDA graphs",
+            copies_overlap_compute=False,
+            kernel_launch_seconds=0.0,
+        )
+
     def matrix_rate(self, dtype: torch.dtype) -> float:
         return self.fp32_flops if dtype in (torch.float32, torch.float64) else self.matmul_flops
 

@@ -105,8 +105,9 @@ def why_nothing_moved(plan: Plan) -> str | None:
     if auto and not plan.profile.copies_overlap_compute:
         return (
             f"{plan.chunk}: auto moves nothing with the {plan.profile.name!r} profile: its "
-            "copies run on the compute thread, so none can hide under compute (pass "
-            "fraction= or memory_budget= to move activations anyway)"
+            "copies overlap no compute (they run on the compute thread, or, under CUDA "
+            "graphs, after it), so none can hide (pass fraction= or memory_budget= to move "
+            "activations anyway)"
         )
     if any(d.reason == planner.SLOWS_THE_STEP for d in plan.decisions):
         return (

@@ -222,6 +222,23 @@ def test_cuda_graph_caveat_with_graph_partitioning_says_copies_do_not_overlap():
     assert "partitions" in caveat and "do not overlap" in caveat
 
 
+def test_captures_around_transfers_only_with_cuda_graphs_and_graph_partitioning():
+    assert _compat.captures_around_transfers(_inductor_settings(True, graph_partition=True))
+    assert not _compat.captures_around_transfers(_inductor_settings(True))  # no such setting
+    assert not _compat.captures_around_transfers(_inductor_settings(True, graph_partition=False))
+    assert not _compat.captures_around_transfers(_inductor_settings(False, graph_partition=True))
+
+
+def test_the_compile_in_progress_captures_around_transfers_under_its_settings():
+    from torch._inductor import config
+
+    with config.patch({"triton.cudagraphs": False}):
+        assert not _compat.inductor_captures_around_transfers()
+    if hasattr(config, "graph_partition"):
+        with config.patch({"triton.cudagraphs": True, "graph_partition": True}):
+            assert _compat.inductor_captures_around_transfers()
+
+
 def test_graphs_with_transfers_warn_under_cuda_graphs(monkeypatch):
     from torch._inductor import compile_fx, config
 

@@ -4,6 +4,7 @@ from step to step, torch.compile's mode and options, compiled autograd."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -121,6 +122,41 @@ def test_compiled_autograd_trains_like_the_unoffloaded_model(autograd_compiler):
     assert backend.plans[0].moved
     for name, grad in grads[0].items():
         assert torch.equal(grad, grads[1][name]), name
+
+
+def test_under_cuda_graphs_auto_moves_nothing_and_moves_cost_their_whole_copy_time():
+    # Inductor runs the transfers after the compute that does not read them
+    # (_compat.cuda_graph_caveat): no copy can hide, so auto keeps every activation, and a
+    # fraction's plan adds each copy's time to the step.
+    from torch._inductor import config
+
+    from offload_pass.profiles import BUILT_IN
+    from offload_pass.report import why_nothing_moved
+
+    if not getattr(config, "graph_partition", False):
+        pytest.skip("this torch's Inductor does not partition graphs by default")
+    x = torch.randn(4, 16, 32)
+    plans = {}
+    for fraction in (None, 1.0):
+        torch.manual_seed(0)
+        backend = offload_pass.backend(fraction=fraction, min_bytes=0, profile="h200")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the caveat, tested below
+            train_step(
+                torch.compile(models.BlockStack(), backend=backend, mode="reduce-overhead"), x
+            )
+        (plans[fraction],) = backend.plans
+    auto, everything = plans[None], plans[1.0]
+    assert auto.profile == everything.profile == BUILT_IN["h200"].under_cuda_graphs()
+    assert not auto.moved and "overlap no compute" in why_nothing_moved(auto)
+    assert everything.moved
+    predicted = everything.prediction
+    rates = everything.profile
+    copies = sum(
+        d.group.nbytes / rates.device_to_host + d.group.nbytes / rates.host_to_device
+        for d in everything.moved
+    )
+    assert predicted.step_seconds >= predicted.baseline_seconds + copies
 
 
 def test_a_cuda_graph_mode_warns_about_graphs_with_transfers():

@@ -196,6 +196,17 @@ def test_built_in_profiles_are_positive_and_cpu_copies_do_not_overlap():
         dataclasses.replace(PROFILE, device_to_host=0.0)
 
 
+def test_under_cuda_graphs_copies_overlap_no_compute_and_kernels_cost_the_host_nothing():
+    h200 = BUILT_IN["h200"]
+    captured = h200.under_cuda_graphs()
+    assert captured.name == "h200 under CUDA graphs"
+    assert not captured.copies_overlap_compute and captured.kernel_launch_seconds == 0
+    assert captured.offload_host_seconds == h200.offload_host_seconds > 0  # ops outside graphs
+    assert dataclasses.replace(captured, name="h200") == dataclasses.replace(
+        h200, copies_overlap_compute=False, kernel_launch_seconds=0.0
+    )
+
+
 def test_matrix_rate_depends_on_dtype():
     h200 = BUILT_IN["h200"]
     assert h200.matrix_rate(torch.bfloat16) > h200.matrix_rate(torch.float32)
