@@ -11,9 +11,10 @@ Two checks, each printed as a table:
   boundaries: the largest difference is printed).
 - **Replays.** A zoo model (bf16, GPT-2 by default) under stock reduce-overhead, and
   under offload_pass ``auto`` and fraction 0.5 with reduce-overhead: the median step, the
-  step ratio against stock, the peak, the bytes moved a step, and whether host memory
-  (the process's resident set) and pinned allocations stay flat from the tenth replay
-  to the last. CUDA graph trees count what they did not capture (``cudagraph skips``).
+  step ratio against stock, the step offload_pass predicted (its chunks' summed), the
+  peak, the bytes moved a step, and whether host memory (the process's resident set) and
+  pinned allocations stay flat from the tenth replay to the last. CUDA graph trees count
+  what they did not capture (``cudagraph skips``).
 
 Needs a CUDA device.
 """
@@ -146,24 +147,25 @@ def replay_rows(model_name: str, replays: int) -> list[tuple[Any, ...]]:
     """Stock reduce-overhead, then offload_pass auto and fraction 0.5 under it."""
     torch.manual_seed(0)
     built, batch = MODELS[model_name].build(torch.device("cuda"))
-    configs: dict[str, Callable[[torch.nn.Module], Callable[[Any], torch.Tensor]]] = {
-        "stock": lambda m: torch.compile(m, mode=MODE),
-        "offload_pass auto": lambda m: torch.compile(m, backend=offload_pass.backend(), mode=MODE),
-        "offload_pass fraction 0.5": lambda m: torch.compile(
-            m, backend=offload_pass.backend(fraction=0.5), mode=MODE
-        ),
+    backends: dict[str, offload_pass.OffloadBackend | None] = {
+        "stock": None,
+        "offload_pass auto": offload_pass.backend(),
+        "offload_pass fraction 0.5": offload_pass.backend(fraction=0.5),
     }
     rows, stock = [], None
-    for name, compile_model in configs.items():
+    for name, backend in backends.items():
         torch.compiler.reset()
         model = copy.deepcopy(built)
-        result = replay(compile_model(model), model, batch, replays)
+        compiled = torch.compile(model, backend=backend or "inductor", mode=MODE)
+        result = replay(compiled, model, batch, replays)
         stock = stock or result
+        predicted = sum(p.prediction.step_seconds for p in backend.plans) if backend else None
         rows.append(
             (
                 name,
                 f"{result.step_seconds * 1e3:.2f}",
                 f"{result.step_seconds / stock.step_seconds:.3f}",
+                f"{predicted * 1e3:.2f}" if predicted else "",
                 f"{result.peak_bytes / 2**30:.2f}",
                 f"{result.bytes_moved_per_step / 2**30:.2f}",
                 f"{result.resident_growth_bytes / 2**20:.1f}",
@@ -196,6 +198,7 @@ def main() -> None:
         f"{args.model} under reduce-overhead",
         "step ms",
         "ratio",
+        "pred ms",
         "peak GiB",
         "moved GiB",
         f"host MiB added after replay {FLAT_FROM}",
