@@ -5,7 +5,7 @@
 Two checks, each printed as a table:
 
 - **Gradients.** A float32 decoder stack trained one step at fraction 1, so that every
-  candidate moves: under reduce-overhead against the same backend in the default mode
+  candidate moves: under reduce-overhead against the same plan in the default mode
   (the same kernels, so bitwise equal unless a captured graph reads a buffer too early
   or too late), and against stock reduce-overhead without offloading (other fusion
   boundaries: the largest difference is printed).
@@ -37,6 +37,7 @@ import offload_pass
 from benchmarks import workloads
 from benchmarks.measure import pinned_allocations
 from benchmarks.zoo import MODELS
+from offload_pass.calibration import profile_for
 
 MODE = "reduce-overhead"
 FLAT_FROM = 10
@@ -121,11 +122,13 @@ def _largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 
 def gradient_rows() -> list[tuple[str, str, str]]:
     """Offloaded under reduce-overhead, against the same in the default mode and against
-    stock reduce-overhead."""
+    stock reduce-overhead. Both offloaded runs plan with the device's rates as under CUDA
+    graphs, so that they compile the same plan."""
     torch.compiler.reset()
+    rates = profile_for(None, torch.device("cuda")).under_cuda_graphs()
 
     def ours(mode: str | None) -> Callable[[torch.nn.Module], Callable[[Any], torch.Tensor]]:
-        backend = offload_pass.backend(fraction=1.0, min_bytes=0)
+        backend = offload_pass.backend(fraction=1.0, min_bytes=0, profile=rates)
         return lambda model: torch.compile(model, backend=backend, mode=mode)
 
     captured = _gradients(ours(MODE))

@@ -69,7 +69,10 @@ class DeviceProfile:
         """The rates of a graph that holds transfers as Inductor captures it in CUDA graphs
         (``mode="reduce-overhead"``): it runs the transfers after the compute that does not
         read them, so copies overlap no compute, and it replays the kernels between them
-        from captured graphs, so the host issues none of them one by one."""
+        from captured graphs, so the host issues none of them one by one. A profile already
+        so is returned as it is."""
+        if not self.copies_overlap_compute and self.kernel_launch_seconds == 0:
+            return self
         return dataclasses.replace(
             self,
             name=f"{self.name} under CUDA graphs",

@@ -202,6 +202,8 @@ def test_under_cuda_graphs_copies_overlap_no_compute_and_kernels_cost_the_host_n
     assert captured.name == "h200 under CUDA graphs"
     assert not captured.copies_overlap_compute and captured.kernel_launch_seconds == 0
     assert captured.offload_host_seconds == h200.offload_host_seconds > 0  # ops outside graphs
+    assert captured.under_cuda_graphs() is captured
+    assert BUILT_IN["cpu"].under_cuda_graphs() is BUILT_IN["cpu"]
     assert dataclasses.replace(captured, name="h200") == dataclasses.replace(
         h200, copies_overlap_compute=False, kernel_launch_seconds=0.0
     )
