@@ -437,3 +437,13 @@ def test_configs_name_a_budget_of_any_size_and_reject_unknown_names():
         configs.named(["offload_pass budget 12.40 GiB"])  # '%g' writes 12.4
     with pytest.raises(SystemExit):
         compare.main(["--configs", "compiled", "no such config"])
+
+
+def test_compile_time_reports_medians_their_ratio_and_every_run():
+    from benchmarks import compile_time
+
+    stock_row, ours_row = compile_time.rows([10.0, 14.0, 11.0], [12.0, 11.5, 13.0], [0.3] * 3, 1.0)
+    assert stock_row == ["stock Inductor", "11.0", "1.00", "", "10.0 14.0 11.0"]
+    assert ours_row == ["offload_pass fraction 1", "12.0", "1.09", "0.3", "12.0 11.5 13.0"]
+    with pytest.raises(SystemExit):
+        compile_time.main(["--repeats", "0"])
