@@ -254,7 +254,7 @@ _BUDGET_IN_GIB = re.compile(r"offload_pass budget (\d+(?:\.\d+)?) GiB(?:, fitted
 
 
 def named(names: Sequence[str]) -> list[Config]:
-    """The configurations called ``names``, in :func:`all_configs`'s order (all of them
+    """The configurations called ``names``, in that order (all of :func:`all_configs`
     when ``names`` is empty); ``"offload_pass budget <x> GiB"`` and its ``", fitted"``
     form name a budget of any size. Raises ``ValueError`` naming what is unknown."""
     known = all_configs()
@@ -271,7 +271,7 @@ def named(names: Sequence[str]) -> list[Config]:
             f"unknown configurations {unknown}; known: {sorted(by_name)}, and "
             "'offload_pass budget <x> GiB' with or without ', fitted' (x as '%g' writes it)"
         )
-    return [c for c in known if not names or c.name in names]
+    return [by_name[name] for name in dict.fromkeys(names)] if names else known
 
 
 def all_configs() -> list[Config]:
