@@ -236,13 +236,16 @@ def our_configs(budgets: tuple[float, ...]) -> list[Config]:
     return configs
 
 
-def budget_configs(gib: float) -> tuple[Config, Config]:
-    """offload_pass under a budget of ``gib`` GiB, as planned and fitted to the measured peak."""
-    target = round(gib * 2**30)
+def budget_configs(gib: str) -> tuple[Config, Config]:
+    """offload_pass under a budget of ``gib`` GiB (a positive number, named as written), as
+    planned and fitted to the measured peak."""
+    target = round(float(gib) * 2**30)
+    if target <= 0:
+        raise ValueError(f"a budget in GiB must be positive, got {gib!r}")
     return (
-        Config(f"offload_pass budget {gib:g} GiB", "offload_pass", ours(memory_budget=target)),
+        Config(f"offload_pass budget {gib} GiB", "offload_pass", ours(memory_budget=target)),
         Config(
-            f"offload_pass budget {gib:g} GiB, fitted",
+            f"offload_pass budget {gib} GiB, fitted",
             "offload_pass",
             fitted_ours(target),
             cuda_only=True,
@@ -258,18 +261,14 @@ def named(names: Sequence[str]) -> list[Config]:
     when ``names`` is empty); ``"offload_pass budget <x> GiB"`` and its ``", fitted"``
     form name a budget of any size. Raises ``ValueError`` naming what is unknown."""
     known = all_configs()
-    by_name = {c.name: c for c in known}
-    for name in names:
-        match = _BUDGET_IN_GIB.fullmatch(name)
-        if match and name not in by_name:
-            extra = budget_configs(float(match.group(1)))
-            known += extra
-            by_name.update((c.name, c) for c in extra)
+    budgets = {m.group(1) for m in map(_BUDGET_IN_GIB.fullmatch, names) if m is not None}
+    by_name = {c.name: c for gib in budgets for c in budget_configs(gib)}
+    by_name.update((c.name, c) for c in known)
     unknown = [name for name in names if name not in by_name]
     if unknown:
         raise ValueError(
             f"unknown configurations {unknown}; known: {sorted(by_name)}, and "
-            "'offload_pass budget <x> GiB' with or without ', fitted' (x as '%g' writes it)"
+            "'offload_pass budget <x> GiB' with or without ', fitted'"
         )
     return [by_name[name] for name in dict.fromkeys(names)] if names else known
 
@@ -280,7 +279,7 @@ def all_configs() -> list[Config]:
         Config("compiled", "no offload", compiled),
         *our_configs(budgets=(0.7, 0.6, 0.5)),
         # checkpointing's peaks as budgets in bytes (W1: runs 17 and 56; W2: run 17)
-        *(config for gib in (7.35, 12.45) for config in budget_configs(gib)),
+        *(config for gib in ("7.35", "12.45") for config in budget_configs(gib)),
         Config("save_on_cpu", "save_on_cpu", save_on_cpu, cuda_only=True),
         Config("checkpoint blocks", "checkpointing", checkpoint_blocks),
         Config("checkpoint blocks, offload_pass auto", "offload_pass", checkpointed_ours()),

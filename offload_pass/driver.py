@@ -53,9 +53,10 @@ def request_for(
 
 def planning_profile(options: OffloadOptions, device: torch.device) -> DeviceProfile:
     """The rates ``device`` runs the chunk at: ``options.profile``'s, changed as CUDA
-    graphs change them where the compile in progress captures them."""
+    graphs change them where the Inductor compile in progress captures them."""
     profile = profile_for(options.profile, device)
-    return profile.under_cuda_graphs() if _compat.inductor_captures_around_transfers() else profile
+    captured = options.compiler == "inductor" and _compat.inductor_captures_around_transfers()
+    return profile.under_cuda_graphs() if captured else profile
 
 
 class _StageClock:

@@ -418,28 +418,31 @@ def test_a_fitted_step_reports_only_the_kept_budgets_plan(monkeypatch):
     assert plan.prediction.step_seconds > 0
 
 
-def test_configs_name_a_budget_of_any_size_and_reject_unknown_names():
+def test_configs_name_a_budget_of_any_size_and_reject_unknown_names(capsys):
     from torch import nn
 
     from benchmarks import configs
 
-    chosen = configs.named(["offload_pass budget 12.35 GiB", "compiled"])
-    assert [c.name for c in chosen] == ["offload_pass budget 12.35 GiB", "compiled"]
+    chosen = configs.named(["offload_pass budget 12.40 GiB", "compiled"])
+    assert [c.name for c in chosen] == ["offload_pass budget 12.40 GiB", "compiled"]
     shared: dict = {}
     chosen[0].prepare(nn.Linear(2, 2), shared)
-    assert shared["backend"].options.memory_budget == round(12.35 * 2**30)
+    assert shared["backend"].options.memory_budget == round(12.4 * 2**30)
     fitted = configs.named(["offload_pass budget 12.35 GiB, fitted"])
     assert [(c.name, c.cuda_only) for c in fitted] == [
         ("offload_pass budget 12.35 GiB, fitted", True)
     ]
-    unknown = r"unknown configurations \['offload_pass budget 12.40 GiB'"
-    with pytest.raises(ValueError, match=unknown):
-        configs.named(["offload_pass budget 12.40 GiB"])  # '%g' writes 12.4
+    assert [c.name for c in configs.named([])] == [c.name for c in configs.all_configs()]
+    with pytest.raises(ValueError, match="a budget in GiB must be positive, got '0.0'"):
+        configs.named(["offload_pass budget 0.0 GiB"])
+    with pytest.raises(ValueError, match=r"unknown configurations \['no such config'\]"):
+        configs.named(["compiled", "no such config"])
     with pytest.raises(SystemExit):
         compare.main(["--configs", "compiled", "no such config"])
+    assert "unknown configurations ['no such config']" in capsys.readouterr().err
 
 
-def test_compile_time_reports_medians_their_ratio_and_every_run():
+def test_compile_time_reports_medians_their_ratio_and_every_run(capsys):
     from benchmarks import compile_time
 
     stock_row, ours_row = compile_time.rows([10.0, 14.0, 11.0], [12.0, 11.5, 13.0], [0.3] * 3, 1.0)
@@ -447,3 +450,4 @@ def test_compile_time_reports_medians_their_ratio_and_every_run():
     assert ours_row == ["offload_pass fraction 1", "12.0", "1.09", "0.3", "12.0 11.5 13.0"]
     with pytest.raises(SystemExit):
         compile_time.main(["--repeats", "0"])
+    assert "--repeats must be at least 1, got 0" in capsys.readouterr().err
