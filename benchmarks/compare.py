@@ -326,11 +326,14 @@ def _workload_task(name: str, device: torch.device) -> tuple[torch.nn.Module, to
 
 
 def run_workload(
-    name: str, wanted: Sequence[str], steps: int, device: torch.device, show_plans: bool = False
+    name: str,
+    chosen: Sequence[configs.Config],
+    steps: int,
+    device: torch.device,
+    show_plans: bool = False,
 ) -> list[Measurement]:
     workload = workloads.BY_NAME[name]
-    chosen = configs.named(wanted)
-    chosen.sort(key=lambda c: FIRST.index(c.name) if c.name in FIRST else len(FIRST))
+    chosen = sorted(chosen, key=lambda c: FIRST.index(c.name) if c.name in FIRST else len(FIRST))
     shared: dict[str, Any] = {}
     results = []
     for config in chosen:
@@ -412,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.recheck is not None:
         return recheck(args.recheck)
     try:
-        configs.named(args.configs)
+        chosen = configs.named(args.configs)
     except ValueError as error:
         parser.error(str(error))
 
@@ -421,9 +424,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     results = new_results(hardware)
     stem = results_stem(args.out, results, "-".join(args.workloads).lower())
     for name in args.workloads:
-        rows = derive(
-            run_workload(name, args.configs, args.steps, device, args.show_plans), hardware
-        )
+        rows = derive(run_workload(name, chosen, args.steps, device, args.show_plans), hardware)
         comparison = (
             profile_auto(functools.partial(_workload_task, name, device), device)
             if "offload_pass auto" in args.configs or not args.configs
