@@ -532,6 +532,14 @@ def cuda_allocation_trace(step: Callable[[], None], device: int) -> list[dict[st
         memory._record_memory_history(None, device=device)
 
 
+def inductor_caches_forced_off() -> bool:
+    """Whether Inductor's caches are forced off (``force_disable_caches``, also set by
+    ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1``)."""
+    from torch._inductor import config
+
+    return bool(config.force_disable_caches)
+
+
 @contextlib.contextmanager
 def outside_compile() -> Iterator[None]:
     """A context in which new tensors are real and ops dispatch as in training, though a

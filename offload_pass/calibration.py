@@ -1,5 +1,6 @@
 """Measure a CUDA device's copy bandwidths, matrix rates and memory bandwidth, and the
-host's time for the transfer ops, once per process and device; or, with every local rank
+host's time for the transfer ops, once per device model (kept for the process and in the
+device cache, device_cache.py); or, with every local rank
 copying at once, the copy bandwidths each rank of a host actually gets
 (``calibrate_shared``). ``profile_for`` picks the profile a chunk is planned with,
 measuring the device where no built-in one fits.
@@ -19,7 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from offload_pass import _compat, ops
+from offload_pass import _compat, device_cache, ops
 from offload_pass.profiles import (
     BUILT_IN,
     CALIBRATE,
@@ -34,6 +35,9 @@ REPEATS = 5
 HOST_CALLS = 200
 HOST_BUCKET = 8
 """Storages per op where the host time a further storage adds is measured."""
+CALIBRATED_PROFILE = "calibrated profile"
+MEASURED = "measured"
+"""The device cache's section and key of the profile ``calibrate`` measured."""
 
 
 def _seconds(work: Callable[[], None], align: Callable[[], None] = lambda: None) -> float:
@@ -171,8 +175,28 @@ def bucketed_host_seconds(
 
 @functools.cache
 def calibrate(device_index: int) -> DeviceProfile:
-    """Measure ``cuda:device_index`` (a few seconds; cached for the process)."""
+    """The profile of ``cuda:device_index`` as measured (a few seconds) on the first
+    calibration of its model; kept for the process and in the device cache."""
     device = torch.device("cuda", device_index)
+    kept = kept_profile(device)
+    if kept is not None:
+        return kept
+    profile = _measured_profile(device)
+    device_cache.record(device, CALIBRATED_PROFILE, MEASURED, dataclasses.asdict(profile))
+    return profile
+
+
+def kept_profile(device: torch.device) -> DeviceProfile | None:
+    """The profile the device cache keeps for ``device``; None where it keeps none, or one
+    that no longer describes a ``DeviceProfile``."""
+    fields = device_cache.read(device).get(CALIBRATED_PROFILE, {}).get(MEASURED)
+    try:
+        return DeviceProfile(**fields) if isinstance(fields, dict) else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _measured_profile(device: torch.device) -> DeviceProfile:
     with torch.cuda.device(device), _compat.outside_compile():
         copies = _copy_bandwidths(device, lambda: None)
         on_device = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)

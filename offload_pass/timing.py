@@ -5,18 +5,20 @@ One matrix rate prices these nodes badly: the rate a product reaches depends on 
 (a 2048-wide projection runs well below an 8192^3 product's rate), and attention's
 kernels reach a fraction of it, less in backward than in forward. So each such node of a
 CUDA chunk runs on random values of its shapes, strides and dtypes, and the cost model
-prices it at the time measured. Timings are cached per op, signature and TF32 settings
-for the process, so a shape met again (the next block, the next compile) is not timed
-again; a failure (out of memory, say) is not cached. The values are random, so a node
-is not timed where values decide the work: an integer or boolean tensor of offsets,
-indices or masks (the random-number state of attention with dropout excepted). Timing
-is advisory: whatever goes wrong, the node keeps its price by the rates.
+prices it at the time measured. Timings are kept per op, signature and TF32 settings,
+for the process and on disk for the device's model (device_cache.py), so a shape met
+again (the next block, the next compile, the next process) is not timed again and every
+process plans with the same times; a failure (out of memory, say) is not kept. The
+values are random, so a node is not timed where values decide the work: an integer or
+boolean tensor of offsets, indices or masks (the random-number state of attention with
+dropout excepted). Timing is advisory: whatever goes wrong, the node keeps its price by
+the rates.
 
 A call timed alone runs at the clock of a device that was idle; a training step keeps
 the device busy, and its clock settles lower under the power limit. So every time
 measured is scaled by the device's sustained slowdown, measured once per device: a
 large product's time once the device has run it back to back for ``SETTLE_SECONDS``,
-over its time alone (``sustained_slowdown``).
+over its time alone (``sustained_slowdown``), kept like the kernels' times.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from offload_pass import _compat
+from offload_pass import _compat, device_cache
 from offload_pass.profiles import CALIBRATE, DeviceProfile
 
 REPEATS = 5
@@ -48,8 +50,13 @@ REFERENCE_PRODUCT_SIZE = 8192
 an H200) that the device's power draw, not the host, sets its clock."""
 NodeTimer = Callable[[torch.fx.Node], "float | None"]
 """Seconds one node's kernel takes on the device, or None where it was not timed."""
+KERNEL_SECONDS = "kernel seconds"
+"""The device cache's section of kernel times, keyed by op, signature and settings."""
+SUSTAINED_SLOWDOWN = "sustained slowdown"
+REFERENCE = f"bf16 product {REFERENCE_PRODUCT_SIZE}^3 settled for {SETTLE_SECONDS} s"
+"""The key of the sustained slowdown: what it was measured with."""
 
-_seconds_by_signature: dict[Hashable, float] = {}
+_seconds_by_device: dict[torch.device, dict[str, float]] = {}
 
 
 def timer_for(profile: DeviceProfile | str | None, device: torch.device) -> NodeTimer | None:
@@ -68,22 +75,43 @@ def measured_seconds(node: torch.fx.Node, device: torch.device) -> float | None:
     if not _compat.flop_count(node):  # FLOPs are counted for ATen ops alone
         return None
     try:
-        key = (node.target, _signature(_named_values(node)), _precision_settings())
+        signature = _signature(_named_values(node))
     except Exception:  # noqa: BLE001  (advisory: any argument it cannot describe)
         return None
-    if key not in _seconds_by_signature:
-        seconds = _timed(node.target, key[1], device)
+    key = repr((str(node.target), signature, _precision_settings()))
+    kept = _kept_seconds(device)
+    if key not in kept:
+        seconds = _timed(node.target, signature, device)
         if seconds is None:
             return None
-        _seconds_by_signature[key] = seconds
-    return _seconds_by_signature[key] * sustained_slowdown(device)
+        kept[key] = seconds
+        device_cache.record(device, KERNEL_SECONDS, key, seconds)
+    return kept[key] * sustained_slowdown(device)
+
+
+def _kept_seconds(device: torch.device) -> dict[str, float]:
+    """The kernel times known for ``device``: read from the device cache on first use."""
+    if device not in _seconds_by_device:
+        _seconds_by_device[device] = dict(device_cache.read(device).get(KERNEL_SECONDS, {}))
+    return _seconds_by_device[device]
 
 
 @functools.cache
 def sustained_slowdown(device: torch.device) -> float:
     """How much longer the reference product takes once the device has run it back to back
     for ``SETTLE_SECONDS`` than timed alone after idling; at least 1, and 1 where it cannot
-    be measured. Cached per device for the process."""
+    be measured. Kept per device for the process and in the device cache."""
+    kept = device_cache.read(device).get(SUSTAINED_SLOWDOWN, {}).get(REFERENCE)
+    if kept is not None:
+        return kept
+    measured = _measured_slowdown(device)
+    if measured is None:
+        return 1.0
+    device_cache.record(device, SUSTAINED_SLOWDOWN, REFERENCE, measured)
+    return measured
+
+
+def _measured_slowdown(device: torch.device) -> float | None:
     try:
         with _compat.outside_compile(), torch.no_grad(), torch.random.fork_rng([device]):
             n = REFERENCE_PRODUCT_SIZE
@@ -100,7 +128,7 @@ def sustained_slowdown(device: torch.device) -> float:
                 torch.cuda.synchronize(device)
             settled = _train_seconds(product, device, SETTLED_CALLS)
     except Exception:  # noqa: BLE001  (advisory: without it, calls are priced as timed)
-        return 1.0
+        return None
     return max(1.0, settled / alone)
 
 
@@ -122,7 +150,8 @@ class _TensorSpec:
     sizes: tuple[int, ...]
     strides: tuple[int, ...]
     dtype: torch.dtype
-    device: torch.device
+    device_type: str
+    """Not the device's index: a time is kept for the device's model, whichever one it is."""
 
     @classmethod
     def of(cls, value: torch.Tensor) -> _TensorSpec:
@@ -130,15 +159,17 @@ class _TensorSpec:
         strides = tuple(_compat.concrete_int(s) for s in value.stride())
         if None in sizes or None in strides:
             raise _Untimeable("a size without a hint")
-        return cls(sizes, strides, value.dtype, value.device)  # type: ignore[arg-type]
+        return cls(sizes, strides, value.dtype, value.device.type)  # type: ignore[arg-type]
 
-    def materialize(self) -> torch.Tensor:
+    def materialize(self, device: torch.device) -> torch.Tensor:
         """Random values (zeros for integers) in these strides, overlapping ones included
-        (an expanded bias): filled through the flat buffer they view."""
+        (an expanded bias): filled through the flat buffer they view. On ``device`` where
+        it is of this spec's type, else on the spec's type of device (a CPU scalar)."""
+        on = device if device.type == self.device_type else torch.device(self.device_type)
         extent = 1 + sum(
             (n - 1) * s for n, s in zip(self.sizes, self.strides, strict=True) if n > 0
         )
-        flat = torch.zeros(extent if all(self.sizes) else 0, dtype=self.dtype, device=self.device)
+        flat = torch.zeros(extent if all(self.sizes) else 0, dtype=self.dtype, device=on)
         if self.dtype.is_floating_point:
             flat.normal_()
         return flat.as_strided(self.sizes, self.strides)
@@ -191,13 +222,13 @@ def _signature(value: Any) -> Hashable:
     raise _Untimeable(f"an argument of type {type(value).__name__}")
 
 
-def _materialize(signature: Hashable) -> Any:
+def _materialize(signature: Hashable, device: torch.device) -> Any:
     if isinstance(signature, _TensorSpec):
-        return signature.materialize()
+        return signature.materialize(device)
     if isinstance(signature, _DictSpec):
-        return {k: _materialize(v) for k, v in signature.items}
+        return {k: _materialize(v, device) for k, v in signature.items}
     if isinstance(signature, tuple):
-        return tuple(_materialize(v) for v in signature)
+        return tuple(_materialize(v, device) for v in signature)
     return signature
 
 
@@ -213,7 +244,7 @@ def _timed(target: Callable[..., Any], signature: Hashable, device: torch.device
     devices = [device] if device.type == "cuda" else []
     try:
         with _compat.outside_compile(), torch.no_grad(), torch.random.fork_rng(devices):
-            args, kwargs = _materialize(signature)
+            args, kwargs = _materialize(signature, device)
             target(*args, **kwargs)
             return statistics.median(
                 _elapsed(lambda: target(*args, **kwargs), device) for _ in range(REPEATS)

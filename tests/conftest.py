@@ -7,12 +7,22 @@ import pytest
 import torch
 
 import offload_pass
+from offload_pass import device_cache
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The model zoo's tests first: pytest-xdist then shares their long groups out among
     the workers at the start, and the short tests fill in behind them."""
     items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def device_cache_of_this_run(tmp_path_factory: pytest.TempPathFactory):
+    """Measurements kept where this run alone reads them, not in the user's cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        directory = tmp_path_factory.mktemp("device_cache")
+        patch.setenv(device_cache.CACHE_DIR_VARIABLE, str(directory))
+        yield directory
 
 
 @pytest.fixture(autouse=True)

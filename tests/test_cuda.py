@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import offload_pass
-from offload_pass import ops, runtime
+from offload_pass import device_cache, ops, runtime
 from tests import models
 from tests.conftest import total
 
@@ -263,10 +263,12 @@ def test_a_spin_keeps_the_stream_busy_while_the_host_queues_work():
     torch.cuda.synchronize()
 
 
-def test_calibration_inside_a_compile_measures_real_tensors():
+def test_calibration_inside_a_compile_measures_real_tensors(monkeypatch, tmp_path):
     from offload_pass.calibration import calibrate
 
-    calibrate.cache_clear()  # measured here, inside the compile's fake mode
+    # measured here, inside the compile's fake mode: with nothing kept, on disk or not
+    monkeypatch.setenv(device_cache.CACHE_DIR_VARIABLE, str(tmp_path))
+    calibrate.cache_clear()
     backend = offload_pass.backend(profile="calibrate")
     _step(torch.compile(_blocks(), backend=backend), torch.randn(2, 128, 256, device="cuda"))
     profile = backend.plans[0].profile

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import warnings
+
+import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from offload_pass import timing
+from offload_pass import device_cache, timing
 from offload_pass.costs import estimate_costs, node_seconds
 from offload_pass.profiles import BUILT_IN
 from tests.test_costs import PROFILE, _chunk, _node
@@ -101,7 +105,7 @@ def test_attention_random_state_does_not_keep_its_backward_from_being_timed():
     args = (q_, q_, q_, q_, q_, lse_, None, None, 128, 128, 0.0, True)
     node = graph.call_function(op, (*args, inputs["seed"], inputs["offset"]))
     described = timing._signature(timing._named_values(node))
-    assert timing._TensorSpec((2,), (1,), torch.uint64, seed.device) in described[0]
+    assert timing._TensorSpec((2,), (1,), torch.uint64, "cuda") in described[0]
     mask = torch.ones(2, 2, dtype=torch.bool)
     try:
         timing._signature(mask)
@@ -119,4 +123,83 @@ def test_only_successful_timings_are_kept(monkeypatch):
     monkeypatch.setattr(timing, "_timed", lambda *args: None)
     assert timing.measured_seconds(mm, CPU) is None
     monkeypatch.setattr(timing, "_timed", timed)
+    assert timing.measured_seconds(mm, CPU) is not None
+
+
+@pytest.fixture
+def new_process(monkeypatch, tmp_path):
+    """Timing's state as a new process finds it, with the device cache in ``tmp_path``."""
+
+    def start() -> None:
+        monkeypatch.setattr(timing, "_seconds_by_device", {})
+        timing.sustained_slowdown.cache_clear()
+
+    monkeypatch.setenv(device_cache.CACHE_DIR_VARIABLE, str(tmp_path))
+    start()
+    yield start
+    timing.sustained_slowdown.cache_clear()
+
+
+def _untimeable(*args):
+    raise AssertionError("timed again, though a time was kept")
+
+
+def test_a_kernel_time_is_kept_for_the_next_process(new_process, monkeypatch, tmp_path):
+    graph = make_fx(torch.mm, tracing_mode="fake")(torch.randn(3, 5), torch.randn(5, 4))
+    mm = _node(graph.graph, torch.ops.aten.mm.default)
+    first = timing.measured_seconds(mm, CPU)
+    (path,) = tmp_path.glob("*.json")
+    assert "cpu" in path.name and torch.__version__ in path.name
+    assert list(json.loads(path.read_text())[timing.KERNEL_SECONDS].values()) == [first]
+    new_process()
+    monkeypatch.setattr(timing, "_timed", _untimeable)
+    assert timing.measured_seconds(mm, CPU) == first
+
+
+def test_the_sustained_slowdown_is_kept_for_the_next_process(new_process, monkeypatch):
+    monkeypatch.setattr(timing, "_measured_slowdown", lambda device: 1.25)
+    assert timing.sustained_slowdown(CPU) == 1.25
+    new_process()
+    monkeypatch.setattr(timing, "_measured_slowdown", _untimeable)
+    assert timing.sustained_slowdown(CPU) == 1.25
+
+
+def test_a_slowdown_that_cannot_be_measured_is_one_and_not_kept(new_process, tmp_path):
+    assert timing.sustained_slowdown(CPU) == 1.0  # the CPU has no settled clock to read
+    assert not list(tmp_path.glob("*.json"))
+
+
+@pytest.mark.parametrize("switch", ["empty directory", "inductor caches forced off"])
+def test_caching_off_keeps_times_in_memory_only(switch, new_process, monkeypatch, tmp_path):
+    forced_off = switch == "inductor caches forced off"
+    if not forced_off:
+        monkeypatch.setenv(device_cache.CACHE_DIR_VARIABLE, "")
+    mm = _node(_chunk().forward.graph, torch.ops.aten.mm.default)
+    with torch._inductor.config.patch(force_disable_caches=forced_off):
+        assert device_cache.path_for(CPU) is None
+        assert timing.measured_seconds(mm, CPU) is not None
+    assert not list(tmp_path.iterdir())
+
+
+def test_an_unreadable_cache_is_warned_about_and_timed_again(new_process, tmp_path):
+    path = device_cache.path_for(CPU)
+    path.write_text("{not json")
+    mm = _node(_chunk().forward.graph, torch.ops.aten.mm.default)
+    with pytest.warns(UserWarning, match="cannot read .* measuring again"):
+        assert timing.measured_seconds(mm, CPU) is not None
+
+
+def test_an_unwritable_cache_is_warned_about_once(new_process, monkeypatch, tmp_path):
+    blocked = tmp_path / "a file where the directory should be"
+    blocked.write_text("")
+    monkeypatch.setenv(device_cache.CACHE_DIR_VARIABLE, str(blocked))
+    graph = make_fx(torch.mm, tracing_mode="fake")(torch.randn(2, 3), torch.randn(3, 2))
+    mm = _node(graph.graph, torch.ops.aten.mm.default)
+    bmm = make_fx(torch.bmm, tracing_mode="fake")(torch.randn(2, 2, 3), torch.randn(2, 3, 2))
+    with pytest.warns(UserWarning, match="cannot write .* keeping measurements in memory"):
+        assert timing.measured_seconds(mm, CPU) is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bmm_node = _node(bmm.graph, torch.ops.aten.bmm.default)
+        assert timing.measured_seconds(bmm_node, CPU) is not None
     assert timing.measured_seconds(mm, CPU) is not None
