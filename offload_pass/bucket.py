@@ -26,6 +26,7 @@ the host.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable, Sequence
 
@@ -81,16 +82,28 @@ def _forward_runs(
     return _runs(ordered, joins, holds, memory)
 
 
-def _backward_runs(transfers: Sequence[Transfer]) -> list[list[Transfer]]:
-    """Runs in need order, each storage reloaded (as planned alone) before the run's
-    first need: it would have been on the device by then anyway."""
-    runs: list[list[Transfer]] = []
-    for t in sorted(transfers, key=lambda t: (t.need_at, t.reload_at)):
-        if runs and t.reload_at <= runs[-1][0].need_at:
-            runs[-1].append(t)
-        else:
-            runs.append([t])
-    return runs
+def _backward_runs(
+    transfers: Sequence[Transfer], costs: ChunkCosts, memory: MemoryTimeline
+) -> list[list[Transfer]]:
+    """Runs in need order. Where copies overlap compute, of storages each reloaded (as
+    planned alone) before the run's first need: it would have been on the device by then
+    anyway. Where they cannot, a reload costs the step the same wherever it is issued, so
+    a storage joins the run before it wherever reloading it with the run's first leaves
+    the peak where it is (judged on a copy of ``memory``: a run is held for good only
+    once placed, in ``_reloads_that_fit``)."""
+    ordered = sorted(transfers, key=lambda t: (t.need_at, t.reload_at))
+    if costs.profile.copies_overlap_compute:
+        return _runs(ordered, _reloaded_before_first_need, lambda run, t: [], memory)
+    before = memory.num_forward
+
+    def held_from_first(run: list[Transfer], t: Transfer) -> list[Hold]:
+        return [(before + run[0].reload_at, before + t.reload_at, t.nbytes)]
+
+    return _runs(ordered, lambda run, t: True, held_from_first, copy.deepcopy(memory))
+
+
+def _reloaded_before_first_need(run: list[Transfer], t: Transfer) -> bool:
+    return t.reload_at <= run[0].need_at
 
 
 def _reloads_placed(
@@ -167,7 +180,7 @@ def bucket_transfers(
     memory = MemoryTimeline(costs, transfers, in_flight)
     forward = _together(_forward_runs(planned, costs, memory), _FORWARD)
     forward_only = tuple(dataclasses.replace(t, **forward[t.root]) for t in transfers)
-    runs = _backward_runs(transfers)
+    runs = _backward_runs(transfers, costs, memory)
     backward = _reloads_that_fit(runs, _reloads_placed(runs, planned, costs), memory)
     both = tuple(dataclasses.replace(t, **backward[t.root]) for t in forward_only)
     for candidate in (both, forward_only):

@@ -5,6 +5,9 @@ backward node ``10 - i``; copies at 1 GB/s)."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 
 import offload_pass
@@ -14,7 +17,7 @@ from offload_pass.planner import Request, plan_offloads
 from offload_pass.simulate import MemoryTimeline
 from tests import models
 from tests.conftest import train_step
-from tests.test_planner import MB, chunk, group, plan
+from tests.test_planner import MB, PROFILE, chunk, group, plan
 
 
 def _positions(planned) -> dict[str, tuple[int, int, int, int]]:
@@ -92,3 +95,25 @@ def test_a_compiled_stack_moves_in_buckets_with_gradients_unchanged():
         sizes = [len(n.args[0]) for n in graph.find_nodes(op="call_function", target=op)]
         assert sum(sizes) == len(plan.moved)
         assert max(sizes) > 1, f"every {op} moves one storage"
+
+
+def test_where_copies_cannot_overlap_compute_reloads_share_an_op_as_far_as_memory_allows():
+    # The first test's chunk on a device whose copies run on the compute thread (a CPU):
+    # a reload costs the step the same wherever it is issued, so all eight storages come
+    # back in one op before the first need of them, under the 8 MB activation's peak.
+    # Where only moved storages are on the device, holding them earlier would raise it.
+    cpu_like = dataclasses.replace(PROFILE, copies_overlap_compute=False)
+    small = [group(i, MB // 10) for i in range(8)]
+    stays = group(9, 8 * MB)
+    costs = chunk([*small, stays], cpu_like)
+    shares = {g.root: ("", 1.0) for g in small} | {stays.root: ("", 0.0)}
+    planned = plan_offloads([*small, stays], costs, Request(shares, 0, 0.0, None))
+    bucketed = bucket_transfers(planned, costs, stall_tolerance=0.0)
+    assert {_positions(bucketed)[g.root][2:] for g in small} == {(2, 3)}
+    assert bucketed.prediction.step_seconds == pytest.approx(planned.prediction.step_seconds)
+    assert bucketed.prediction.peak_bytes == planned.prediction.peak_bytes
+
+    alone = plan(small, share=1.0, profile=cpu_like)
+    tight = bucket_transfers(alone, chunk(small, cpu_like), stall_tolerance=0.0)
+    assert len({_positions(tight)[g.root][2] for g in small}) == 7, "a6 and a7 alone share"
+    assert tight.prediction.peak_bytes == alone.prediction.peak_bytes
