@@ -16,6 +16,8 @@
 #               (step_breakdown.py)
 #   cuda-graphs mode="reduce-overhead" with offloading: gradients, 200 replays of GPT-2
 #               (benchmarks/reduce_overhead.py)
+#   plan-repeat W2's plan under a budget in fresh processes, with the device cache and
+#               without (benchmarks/plan_repeat.py)
 # With no argument every step but zoo-bench runs; `--only STEP [STEP ...]`
 # runs those alone. Logs and results go to $OUT (or ./out); the exit status is pytest's.
 set -o pipefail
@@ -71,9 +73,12 @@ for step in "${steps[@]}"; do
     cuda-graphs)
         python -m benchmarks.reduce_overhead 2>&1 | tee "$out/reduce_overhead.log"
         ;;
+    plan-repeat)
+        python -m benchmarks.plan_repeat 2>&1 | tee "$out/plan_repeat.log"
+        ;;
     *)
         echo "unknown step $step (compare, cuda-tests, zoo, zoo-bench, example, overhead, kernels," \
-            "finetune, breakdown, steps, cuda-graphs)" >&2
+            "finetune, breakdown, steps, cuda-graphs, plan-repeat)" >&2
         exit 2
         ;;
     esac

@@ -451,3 +451,26 @@ def test_compile_time_reports_medians_their_ratio_and_every_run(capsys):
     with pytest.raises(SystemExit):
         compile_time.main(["--repeats", "0"])
     assert "--repeats must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_plan_repeat_says_which_process_planned_as_the_first_of_its_cache_setting(capsys):
+    from benchmarks import plan_repeat
+
+    first = {
+        "bytes_moved": 2**30,
+        "recompute_budgets": [0.5],
+        "step_seconds": 0.6,
+        "peak_bytes": 2**31,
+    }
+    slower = first | {"step_seconds": 0.6000001}
+    table = plan_repeat.rows([("on", first), ("on", first), ("off", slower), ("off", first)])
+    assert [row[:2] + row[-1:] for row in table] == [
+        ["on", "1", "yes"],
+        ["on", "2", "yes"],
+        ["off", "1", "yes"],
+        ["off", "2", "no"],
+    ]
+    assert table[0][2:6] == ["1.00", "0.5", "600.000000", "2.0000"]
+    with pytest.raises(SystemExit):
+        plan_repeat.main(["--processes", "1"])
+    assert "--processes must be at least 2, got 1" in capsys.readouterr().err
