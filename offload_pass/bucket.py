@@ -13,7 +13,10 @@ would; what changes is when each copy starts and how long each storage is held.
 - Backward: a run of storages in need order, each reloaded (as planned alone) before the
   run's first need, is reloaded by one op and waited for once, before that need. The op
   is placed as the planner places a reload, the run taken as one storage of all its
-  bytes: members needed later arrive on the device earlier.
+  bytes: members needed later arrive on the device earlier. Where copies cannot overlap
+  compute, a reload costs the step the same wherever it is issued, so a storage joins
+  the run before it wherever being reloaded with the run's first leaves the peak where
+  it is.
 
 A storage joins a forward run only where what it holds longer leaves the predicted peak
 where it is (``MemoryTimeline.hold_if_fits``), and a backward run is kept only where what its
