@@ -56,9 +56,9 @@ def path_for(device: torch.device) -> Path | None:
     return where / (re.sub(r"[^A-Za-z0-9.+-]+", "_", name) + ".json")
 
 
-def read(device: torch.device) -> dict[str, Any]:
+def read(device: torch.device) -> dict[str, dict[str, Any]]:
     """Everything kept for ``device``: section name to its entries; empty where nothing
-    is kept or the file cannot be read."""
+    is kept or the file cannot be read, and without any section that is not a mapping."""
     path = path_for(device)
     if path is None or not path.exists():
         return {}
@@ -67,13 +67,22 @@ def read(device: torch.device) -> dict[str, Any]:
     except (OSError, ValueError) as error:
         _warn_once(path, f"cannot read {path} ({error}); measuring again")
         return {}
-    return kept if isinstance(kept, dict) else {}
+    if not isinstance(kept, dict):
+        return {}
+    return {name: entries for name, entries in kept.items() if isinstance(entries, dict)}
+
+
+def numbers(device: torch.device, section: str) -> dict[str, float]:
+    """The entries of ``section`` kept for ``device`` that are numbers."""
+    entries = read(device).get(section, {})
+    return {k: float(v) for k, v in entries.items() if isinstance(v, (int, float))}
 
 
 def record(device: torch.device, section: str, key: str, value: Any) -> None:
     """Keep ``value`` as ``key`` of ``section`` for ``device``, beside what other
     processes kept: the file is read again, merged and replaced in one rename, so a
-    reader never sees half a file."""
+    reader never sees half a file. Of two processes writing at once, the entry one of
+    them added can be lost; it is measured again by the next process that needs it."""
     path = path_for(device)
     if path is None:
         return

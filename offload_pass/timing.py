@@ -92,7 +92,7 @@ def measured_seconds(node: torch.fx.Node, device: torch.device) -> float | None:
 def _kept_seconds(device: torch.device) -> dict[str, float]:
     """The kernel times known for ``device``: read from the device cache on first use."""
     if device not in _seconds_by_device:
-        _seconds_by_device[device] = dict(device_cache.read(device).get(KERNEL_SECONDS, {}))
+        _seconds_by_device[device] = device_cache.numbers(device, KERNEL_SECONDS)
     return _seconds_by_device[device]
 
 
@@ -101,7 +101,7 @@ def sustained_slowdown(device: torch.device) -> float:
     """How much longer the reference product takes once the device has run it back to back
     for ``SETTLE_SECONDS`` than timed alone after idling; at least 1, and 1 where it cannot
     be measured. Kept per device for the process and in the device cache."""
-    kept = device_cache.read(device).get(SUSTAINED_SLOWDOWN, {}).get(REFERENCE)
+    kept = device_cache.numbers(device, SUSTAINED_SLOWDOWN).get(REFERENCE)
     if kept is not None:
         return kept
     measured = _measured_slowdown(device)

@@ -203,3 +203,18 @@ def test_an_unwritable_cache_is_warned_about_once(new_process, monkeypatch, tmp_
         bmm_node = _node(bmm.graph, torch.ops.aten.bmm.default)
         assert timing.measured_seconds(bmm_node, CPU) is not None
     assert timing.measured_seconds(mm, CPU) is not None
+
+
+def test_kept_entries_of_the_wrong_kind_are_measured_again(new_process):
+    """A file another version wrote, or a hand edited: what is not a number is not used."""
+    device_cache.path_for(CPU).write_text(
+        json.dumps(
+            {
+                timing.KERNEL_SECONDS: ["not", "a", "mapping"],
+                timing.SUSTAINED_SLOWDOWN: {timing.REFERENCE: "slow"},
+            }
+        )
+    )
+    mm = _node(_chunk().forward.graph, torch.ops.aten.mm.default)
+    assert timing.measured_seconds(mm, CPU) is not None
+    assert timing.sustained_slowdown(CPU) == 1.0
