@@ -128,7 +128,8 @@ def backend(
             is tried. A copy is waited for only where it lowers the predicted peak.
         profile: the device rates to plan with: a :class:`DeviceProfile`, a built-in
             name (``"h200"``, ``"h100"``, ``"a100"``, ``"cpu"``), ``"calibrate"`` to
-            measure the CUDA device once per process, or None to pick by device name.
+            measure the CUDA device once per device model (kept on disk; see
+            :mod:`offload_pass.device_cache`), or None to pick by device name.
         min_bytes: activations smaller than this stay on the device.
         compiler: ``"inductor"``, or ``"eager"`` to run the rewritten graphs unfused.
         dump_dir: a folder to write each chunk's report, rewritten graphs and predicted
