@@ -18,8 +18,8 @@
 #               (benchmarks/reduce_overhead.py)
 #   plan-repeat W2's plan under a budget in fresh processes, with the device cache and
 #               without (benchmarks/plan_repeat.py)
-# With no argument every step but zoo-bench runs; `--only STEP [STEP ...]`
-# runs those alone. Logs and results go to $OUT (or ./out); the exit status is pytest's.
+# With no argument compare, cuda-tests, zoo, example and breakdown run; `--only STEP
+# [STEP ...]` runs those alone. Logs and results go to $OUT (or ./out); the exit status is pytest's.
 set -o pipefail
 out=${OUT:-out}
 mkdir -p "$out"
