@@ -22,6 +22,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import tabulate
+import torch
+
+import offload_pass
+from benchmarks import workloads
 
 GIB = 2**30
 HEADERS = [
@@ -39,11 +43,6 @@ FIELDS = ("bytes_moved", "recompute_budgets", "step_seconds", "peak_bytes")
 def planned(workload_name: str, budget_gib: float) -> dict[str, Any]:
     """What this process plans for the workload on CUDA under the budget, summed over
     chunks."""
-    import torch
-
-    import offload_pass
-    from benchmarks import workloads
-
     torch.manual_seed(0)
     workload = getattr(workloads, workload_name)
     model, x = workloads.build(workload, "cuda")

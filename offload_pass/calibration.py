@@ -178,7 +178,7 @@ def calibrate(device_index: int) -> DeviceProfile:
     """The profile of ``cuda:device_index`` as measured (a few seconds) on the first
     calibration of its model; kept for the process and in the device cache."""
     device = torch.device("cuda", device_index)
-    kept = kept_profile(device)
+    kept = _kept_profile(device)
     if kept is not None:
         return kept
     profile = _measured_profile(device)
@@ -186,7 +186,7 @@ def calibrate(device_index: int) -> DeviceProfile:
     return profile
 
 
-def kept_profile(device: torch.device) -> DeviceProfile | None:
+def _kept_profile(device: torch.device) -> DeviceProfile | None:
     """The profile the device cache keeps for ``device``; None where it keeps none, or one
     that no longer describes a ``DeviceProfile``."""
     fields = device_cache.read(device).get(CALIBRATED_PROFILE, {}).get(MEASURED)
