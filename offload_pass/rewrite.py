@@ -35,12 +35,16 @@ def _add_node(
     like: torch.fx.Node,
     kwargs: dict | None = None,
 ) -> torch.fx.Node:
+    """A call of ``target`` with its value: the rewrite adds transfer ops and saved views
+    (an element of a multi-output view such as ``unbind`` among them), nothing else."""
     node = graph.call_function(target, args, kwargs)
     values, kwarg_values = torch.fx.node.map_arg((args, kwargs or {}), lambda n: n.meta["val"])
     if target in ops.NODE_VALUES:
         node.meta["val"] = ops.NODE_VALUES[target](*values)
+    elif target is operator.getitem:
+        node.meta["val"] = operator.getitem(*values)
     else:
-        node.meta["val"] = _compat.run_on_fakes(target, values, kwarg_values)
+        node.meta["val"] = _compat.view_of_fakes(target, values, kwarg_values)
     node.meta.update({k: like.meta[k] for k in _COPIED_META if k in like.meta})
     return node
 

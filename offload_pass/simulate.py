@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import itertools
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from offload_pass.costs import ChunkCosts
 from offload_pass.profiles import DeviceProfile
@@ -262,15 +262,28 @@ class MemoryTimeline:
     def hold_if_fits(self, holds: Sequence[Hold]) -> bool:
         """Count each hold's bytes as held over its positions, and say so, where that
         leaves the top where it is; else change nothing and say not."""
-        extra: dict[int, int] = defaultdict(int)
-        for start, stop, nbytes in holds:
-            for position in range(start, stop):
-                extra[position] += nbytes
-        if any(self.live[p] + b > self.top for p, b in extra.items()):
+        segments = list(_levels(holds))
+        if any(max(self.live[start:stop]) + level > self.top for start, stop, level in segments):
             return False
-        for p, b in extra.items():
-            self.live[p] += b
+        for start, stop, level in segments:
+            self.live[start:stop] = [b + level for b in self.live[start:stop]]
         return True
+
+
+def _levels(holds: Sequence[Hold]) -> Iterator[Hold]:
+    """``holds`` summed: the positions between consecutive starts and stops, each with
+    the bytes all holds add there (where that is not zero)."""
+    change: dict[int, int] = defaultdict(int)
+    for start, stop, nbytes in holds:
+        if start < stop:
+            change[start] += nbytes
+            change[stop] -= nbytes
+    positions = sorted(change)
+    level = 0
+    for start, stop in itertools.pairwise(positions):
+        level += change[start]
+        if level:
+            yield start, stop, level
 
 
 def peak_bytes(costs: ChunkCosts, transfers: Sequence[Transfer], in_flight: int = 1) -> int:

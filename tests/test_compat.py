@@ -384,3 +384,41 @@ def test_the_partitioners_settings_are_read_from_its_config():
     assert _compat.partitions_sync_across_ranks() is False
     with config.patch(_sync_decision_cross_ranks=True):
         assert _compat.partitions_sync_across_ranks() is True
+
+
+@pytest.mark.parametrize(
+    ("target", "args"),
+    [
+        (torch.ops.aten.view.default, ([6, 4],)),
+        (torch.ops.aten.permute.default, ([2, 0, 1],)),
+        (torch.ops.aten.slice.Tensor, (1, 1, 3)),
+        (torch.ops.aten.unbind.int, (0,)),
+    ],
+)
+@pytest.mark.parametrize("symbolic", [False, True], ids=["static", "symbolic"])
+def test_a_view_of_fakes_matches_the_fake_modes_own_view(target, args, symbolic):
+    """The view shares its input's storage, as the mode's does. Built inside the mode, as
+    the rewrite runs inside the compile's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    base = _symbolic_fake(mode, 2, 3, 4) if symbolic else mode.from_tensor(torch.empty(2, 3, 4))
+    if target is torch.ops.aten.view.default:
+        args = ([base.shape[0] * base.shape[1], base.shape[2]],)
+    with mode:
+        expected = target(base, *args)
+        built = _compat.view_of_fakes(target, (base, *args), {})
+    expected_views = expected if isinstance(expected, (list, tuple)) else [expected]
+    built_views = built if isinstance(built, (list, tuple)) else [built]
+    assert len(built_views) == len(expected_views)
+    for view, made in zip(built_views, expected_views, strict=True):
+        assert type(view) is type(made)
+        assert view.fake_mode is mode
+        assert view.untyped_storage()._cdata == base.untyped_storage()._cdata
+        assert (view.shape, view.stride(), view.dtype, view.device) == (
+            made.shape,
+            made.stride(),
+            made.dtype,
+            made.device,
+        )
+        assert view.storage_offset() == made.storage_offset()

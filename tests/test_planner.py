@@ -252,6 +252,25 @@ def test_the_peak_without_one_transfer_is_that_of_the_others(in_flight):
         assert memory.peak == peak_bytes(costs, others, in_flight)
 
 
+def test_holds_fit_only_where_their_sum_stays_under_the_top():
+    """Overlapping holds count together: each fits alone, both do not, and a refused set
+    changes nothing."""
+    groups = [group(0, 4 * MB), group(1, 3 * MB), group(4, 2 * MB), group(8, MB)]
+    costs = chunk(groups)
+    memory = MemoryTimeline(costs, plan(groups, share=1.0).transfers)
+    live = list(memory.live)
+    low = min(range(len(live)), key=live.__getitem__)
+    room = memory.top - live[low]
+    assert room > 1
+    both = [(low, low + 1, room // 2 + 1), (low, low + 1, room // 2 + 1)]
+    assert not memory.hold_if_fits(both)
+    assert memory.live == live
+    assert memory.hold_if_fits(both[:1]) and memory.hold_if_fits([(low, low + 1, room // 2 - 1)])
+    assert memory.live[low] == live[low] + 2 * (room // 2)
+    assert memory.live[:low] + memory.live[low + 1 :] == live[:low] + live[low + 1 :]
+    assert memory.top == max(live)
+
+
 def test_fraction_prefers_the_candidates_whose_copies_hide_best():
     result = plan(THREE, share=1 / 3)
     assert reasons(result) == {"a0": MOVED, "a1": FRACTION_REACHED, "a8": FRACTION_REACHED}
