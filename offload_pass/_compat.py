@@ -424,13 +424,11 @@ def is_aten_op(target: object) -> bool:
     return isinstance(target, torch._ops.OpOverload)
 
 
-@functools.cache
-def returns_view_of_input(op: Any) -> bool:
-    """Whether ``op`` (an op overload) returns one result, a tensor or a list of tensors
-    (``unbind``), aliasing an input without writing it: a view op."""
-    returns = op._schema.returns
-    alias = returns[0].alias_info if len(returns) == 1 else None
-    return alias is not None and not alias.is_write
+def is_view_op(target: object) -> bool:
+    """Whether ``target`` is a view op: an overload with an input it aliases and none it
+    writes (``unbind``'s list of views among them), as torch's own ``is_view`` says. Read
+    off the overload rather than its schema: the stages ask it of every node, often."""
+    return isinstance(target, torch._ops.OpOverload) and target.is_view
 
 
 def argument_names(op: Any) -> list[str]:

@@ -58,12 +58,11 @@ class ChunkGraphs:
 def is_view(node: torch.fx.Node) -> bool:
     """An op whose result aliases its first input: a view op, or one element of a
     multi-output view op such as ``unbind``."""
-    target = node.target
-    if node.op != "call_function" or not isinstance(node.args[0], torch.fx.Node):
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
         return False
-    if target is operator.getitem:
+    if node.target is operator.getitem:
         return is_view(node.args[0])
-    return _compat.is_aten_op(target) and _compat.returns_view_of_input(target)
+    return _compat.is_view_op(node.target)
 
 
 def storage_root(node: torch.fx.Node) -> torch.fx.Node:

@@ -272,12 +272,13 @@ def test_backend_names_and_compiled_modules_are_recognised():
 def test_view_ops_are_told_from_ops_that_write_or_copy():
     aten = torch.ops.aten
     assert _compat.is_aten_op(aten.view.default) and not _compat.is_aten_op(len)
-    assert _compat.returns_view_of_input(aten.view.default)
-    assert _compat.returns_view_of_input(aten.transpose.int)
-    assert not _compat.returns_view_of_input(aten.add_.Tensor)  # writes its input
-    assert not _compat.returns_view_of_input(aten.clone.default)
-    assert _compat.returns_view_of_input(aten.unbind.int)  # a list of views of its input
-    assert not _compat.returns_view_of_input(aten.var_mean.correction)  # two new tensors
+    assert _compat.is_view_op(aten.view.default)
+    assert _compat.is_view_op(aten.transpose.int)
+    assert not _compat.is_view_op(aten.add_.Tensor)  # writes its input
+    assert not _compat.is_view_op(aten.clone.default)
+    assert _compat.is_view_op(aten.unbind.int)  # a list of views of its input
+    assert not _compat.is_view_op(aten.var_mean.correction)  # two new tensors
+    assert not _compat.is_view_op(operator.getitem)  # not an op overload
 
 
 def test_outside_compile_makes_real_tensors_and_dispatches_as_in_training():
