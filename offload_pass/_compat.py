@@ -7,7 +7,6 @@ tests/test_compat.py.
 from __future__ import annotations
 
 import contextlib
-import functools
 import re
 import types
 import warnings
@@ -293,10 +292,11 @@ def lazy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 def view_of_fakes(target: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """What view op ``target`` returns for fake tensors ``args``, sharing the input's
-    storage. Where no size is symbolic, its meta kernel runs as the fake mode runs it and
-    the results are made fake directly, without the mode's dispatch and cache: that took
-    two thirds of the rewrite on deep graphs. Symbolic sizes go through the mode, which
-    routes them to the Python meta functions that take them."""
+    storage. Where no size is symbolic, its C++ meta kernel runs as the fake mode runs
+    one, and the results are made fake directly, without the mode's dispatch and cache or
+    the Python dispatcher's meta functions: those took two thirds of the rewrite on deep
+    graphs. Symbolic sizes go through the mode, which routes them to the Python meta
+    functions that take them."""
     from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
 
     base = args[0]
@@ -307,7 +307,7 @@ def view_of_fakes(target: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     if symbolic:
         with mode:
             return target(*args, **kwargs)
-    with in_kernel_invocation_manager(mode):
+    with in_kernel_invocation_manager(mode), torch._C._DisablePythonDispatcher():
         out = target(*args, **kwargs)
     if isinstance(out, torch.Tensor):
         return FakeTensor(mode, out, base.device)

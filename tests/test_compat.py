@@ -398,15 +398,16 @@ def test_the_partitioners_settings_are_read_from_its_config():
 )
 @pytest.mark.parametrize("symbolic", [False, True], ids=["static", "symbolic"])
 def test_a_view_of_fakes_matches_the_fake_modes_own_view(target, args, symbolic):
-    """The view shares its input's storage, as the mode's does. Built inside the mode, as
-    the rewrite runs inside the compile's."""
+    """The view shares its input's storage, as the mode's does. Built inside the mode and
+    the Python dispatcher, as the rewrite runs inside the compile's."""
+    from torch._dispatch.python import enable_python_dispatcher
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(shape_env=ShapeEnv())
     base = _symbolic_fake(mode, 2, 3, 4) if symbolic else mode.from_tensor(torch.empty(2, 3, 4))
     if target is torch.ops.aten.view.default:
         args = ([base.shape[0] * base.shape[1], base.shape[2]],)
-    with mode:
+    with mode, enable_python_dispatcher():
         expected = target(base, *args)
         built = _compat.view_of_fakes(target, (base, *args), {})
     expected_views = expected if isinstance(expected, (list, tuple)) else [expected]
