@@ -314,6 +314,12 @@ def view_of_fakes(target: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     return type(out)(FakeTensor(mode, meta, base.device) for meta in out)
 
 
+def call_on_fakes(target: Callable[..., Any], args: tuple) -> Any:
+    """``target`` called on fake tensors ``args``, in the fake mode of the first."""
+    with args[0].fake_mode:
+        return target(*args)
+
+
 def fake_from_meta(
     mode: Any, make_meta: Callable[[], torch.Tensor], device: torch.device
 ) -> torch.Tensor:
@@ -422,6 +428,30 @@ def register_backend_name(name: str, compiler_fn: Callable[..., Any]) -> None:
 def is_aten_op(target: object) -> bool:
     """Whether a graph node's target is one overload of an ATen (or custom library) op."""
     return isinstance(target, torch._ops.OpOverload)
+
+
+def inductor_splits_bias_add(node: torch.fx.Node) -> bool:
+    """Whether Inductor's post-grad pattern ``unfuse_bias_add_to_pointwise`` splits
+    ``node``, a biased product (``addmm``) as the graph stands, into a product and a bias
+    add computed inside its uses. Asked of the pattern's own check (a GPU, every use
+    pointwise, and on newer torch a bias-like input), with the rule that keeps products in
+    half precision whole; False where the check cannot be asked."""
+    from torch._inductor import config
+    from torch._inductor.fx_passes import post_grad
+
+    if node.target is not torch.ops.aten.addmm.default or node.kwargs or len(node.args) != 3:
+        return False
+    bias, mat1, mat2 = node.args
+    match = types.SimpleNamespace(
+        args=[mat1, mat2], kwargs={"inp": bias, "alpha": 1, "beta": 1}, output_node=lambda: node
+    )
+    try:
+        prefers_split = bool(post_grad.should_prefer_unfused_addmm(match))
+    except Exception:  # noqa: BLE001  (a torch whose check reads more than this match holds)
+        return False
+    half = bias.meta["val"].dtype in (torch.bfloat16, torch.float16)
+    kept_whole = half and getattr(config, "keep_addmm_fused_for_half_dtypes", True)
+    return prefers_split and not kept_whole
 
 
 def is_view_op(target: object) -> bool:

@@ -171,3 +171,34 @@ class TwoChunks(nn.Module):
         x = self.first(x)
         torch._dynamo.graph_break()
         return self.second(x)
+
+
+def biased_product_graph(
+    dtype: torch.dtype, device: str, user: object
+) -> tuple[torch.fx.GraphModule, object]:
+    """``user(addmm(bias, x, w))`` on fake tensors of ``device``, and their fake mode:
+    Inductor's post-grad patterns run on such graphs without the device itself."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    with mode:
+        values = {
+            "bias": torch.empty(16, dtype=dtype, device=device),
+            "x": torch.empty(4, 8, dtype=dtype, device=device),
+            "w": torch.empty(8, 16, dtype=dtype, device=device),
+        }
+    graph = torch.fx.Graph()
+    inputs = []
+    for name, value in values.items():
+        inputs.append(graph.placeholder(name))
+        inputs[-1].meta["val"] = value
+    with mode:
+        product = graph.call_function(torch.ops.aten.addmm.default, tuple(inputs))
+        product.meta["val"] = torch.ops.aten.addmm.default(*values.values())
+        if user is None:
+            graph.output((product,))
+        else:
+            used = graph.call_function(user, (product, inputs[0]))
+            used.meta["val"] = user(product.meta["val"], values["bias"])
+            graph.output((used,))
+    return torch.fx.GraphModule(torch.nn.Module(), graph), mode

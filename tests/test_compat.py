@@ -11,6 +11,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from offload_pass import _compat
+from tests import models
 
 
 def test_flexible_layout_tag_when_torch_has_it():
@@ -424,3 +425,38 @@ def test_a_view_of_fakes_matches_the_fake_modes_own_view(target, args, symbolic)
             made.device,
         )
         assert view.storage_offset() == made.storage_offset()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "device", "user"),
+    [
+        (torch.float32, "cuda", torch.ops.aten.add.Tensor),  # a pointwise use: split
+        (torch.bfloat16, "cuda", torch.ops.aten.add.Tensor),  # half precision: kept whole
+        (torch.float32, "cpu", torch.ops.aten.add.Tensor),  # not a GPU
+        (torch.float32, "cuda", torch.ops.aten.mul.Tensor),
+        (torch.float32, "cuda", None),  # a graph output is not a pointwise use
+    ],
+)
+def test_a_bias_add_is_split_where_inductors_own_pattern_splits_it(dtype, device, user):
+    """Checked against Inductor's post-grad patterns of the torch installed."""
+    from torch._inductor.fx_passes.post_grad import pass_patterns
+    from torch._inductor.virtualized import V
+
+    gm, mode = models.biased_product_graph(dtype, device, user)
+    (product,) = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.addmm.default)
+    predicted = _compat.inductor_splits_bias_add(product)
+    with V.set_fake_mode(mode):
+        for patterns in pass_patterns:
+            patterns.apply(gm.graph)
+    split = not gm.graph.find_nodes(op="call_function", target=torch.ops.aten.addmm.default)
+    assert predicted == split
+    assert predicted == (dtype == torch.float32 and device == "cuda" and user is not None)
+
+
+def test_an_addmm_user_other_than_pointwise_keeps_the_product_whole():
+    gm, _ = models.biased_product_graph(torch.float32, "cuda", torch.ops.aten.add.Tensor)
+    (product,) = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.addmm.default)
+    assert _compat.inductor_splits_bias_add(product)
+    with gm.graph.inserting_after(product):
+        gm.graph.call_function(torch.ops.aten.sum.default, (product,))  # a reduction
+    assert not _compat.inductor_splits_bias_add(product)

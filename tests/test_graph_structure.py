@@ -376,3 +376,42 @@ def test_the_rewrites_node_values_are_the_ops_fake_values():
             values = built if isinstance(built, list) else [built]
             assert all(v.fake_mode is mode for v in values), op
             assert _described(built) == _described(made), op
+
+
+def test_a_bias_add_inductor_would_split_is_split_as_inductor_splits_it():
+    """Before a transfer op can read the product as a token, which would keep Inductor
+    from splitting it: the graph becomes the one Inductor's own pattern makes, and
+    computes the same values."""
+    from torch._inductor.fx_passes.post_grad import pass_patterns
+    from torch._inductor.virtualized import V
+
+    from offload_pass.rewrite import split_bias_adds
+
+    ours, _ = models.biased_product_graph(torch.float32, "cuda", torch.ops.aten.mul.Tensor)
+    theirs, mode = models.biased_product_graph(torch.float32, "cuda", torch.ops.aten.mul.Tensor)
+    split_bias_adds(ours.graph)
+    with V.set_fake_mode(mode):
+        pass_patterns[2].apply(theirs.graph)
+
+    def calls(gm: torch.fx.GraphModule) -> list[tuple[object, list[str]]]:
+        return [
+            (n.target, [a.op if isinstance(a, torch.fx.Node) else a for a in n.args])
+            for n in _call_nodes(gm)
+        ]
+
+    assert calls(ours) == calls(theirs)
+    assert [n.target for n in _call_nodes(ours)] == [
+        torch.ops.aten.mm.default,
+        torch.ops.aten.add.Tensor,
+        torch.ops.aten.mul.Tensor,
+    ]
+    for node in _call_nodes(ours):
+        assert node.meta["val"].shape == (4, 16) and node.meta["val"].device.type == "cuda"
+    ours.recompile()
+    unsplit, _ = models.biased_product_graph(torch.float32, "cuda", torch.ops.aten.mul.Tensor)
+    inputs = (torch.randn(16), torch.randn(4, 8), torch.randn(8, 16))
+    torch.testing.assert_close(ours(*inputs), unsplit(*inputs))
+
+
+def _call_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function"]
