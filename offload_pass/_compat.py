@@ -160,6 +160,39 @@ def compile_with_inductor(
         )
 
 
+def lower_with_aligned_outputs(op: Any) -> None:
+    """Have Inductor lower ``op`` as the fallback it makes for a custom op, except that
+    the tensors ``op`` returns count as aligned: meant for an op that returns fresh
+    allocations. Inductor counts a fallback's results as unaligned wherever one input
+    is, and it counts every CPU input so; a kernel reading an unaligned buffer (or one
+    reusing its memory) is compiled without the alignment that vector loads need, and
+    can sum in another order (a reloaded fp32 stack's bias gradients differed from
+    stock's in their last bits). Done once per op."""
+    from torch._inductor import ir, lowering
+    from torch._inductor.virtualized import V
+    from torch._library.utils import get_layout_constraint_tag
+
+    if op in _LOWERED_ALIGNED:
+        return
+    if op not in lowering.lowerings:
+        tag = get_layout_constraint_tag(op, with_default=True)
+        lowering.make_fallback(op, layout_constraint=lowering.tag_to_layout_constraint(tag))
+    fallback = lowering.lowerings[op]
+
+    def lower(*args: Any, **kwargs: Any) -> Any:
+        results = fallback(*args, **kwargs)
+        for result in pytree.tree_leaves(results):
+            if isinstance(result, ir.TensorBox):
+                V.graph.unaligned_buffers.discard(result.get_name())
+        return results
+
+    lowering.lowerings[op] = lower
+    _LOWERED_ALIGNED.add(op)
+
+
+_LOWERED_ALIGNED: set[Any] = set()
+
+
 TRANSFER_GRAPH_SETTINGS = {"reorder_for_peak_memory": False, "allow_buffer_reuse": False}
 """Inductor settings in graphs that hold transfers. Peak-memory reordering would sink each
 reload to its first use, where its copy cannot overlap anything, and the plan has already

@@ -86,6 +86,7 @@ class OffloadBackend:
         partitioner = self.partitioner_for(gm)
         if self.options.compiler == "eager":
             return _compat.compile_with_eager(gm, example_inputs, partitioner)
+        _compat.lower_with_aligned_outputs(ops.RELOAD_WAIT)
         return _compat.compile_with_inductor(
             gm, example_inputs, partitioner, ops.holds_transfers, config
         )

@@ -460,3 +460,30 @@ def test_an_addmm_user_other_than_pointwise_keeps_the_product_whole():
     with gm.graph.inserting_after(product):
         gm.graph.call_function(torch.ops.aten.sum.default, (product,))  # a reduction
     assert not _compat.inductor_splits_bias_add(product)
+
+
+def test_a_bias_add_is_kept_whole_where_inductors_check_cannot_be_asked(monkeypatch):
+    """A torch whose check reads what this one's match does not hold."""
+    from torch._inductor.fx_passes import post_grad
+
+    gm, _ = models.biased_product_graph(torch.float32, "cuda", torch.ops.aten.add.Tensor)
+    (product,) = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.addmm.default)
+    assert _compat.inductor_splits_bias_add(product)
+
+    def reads_more(match):
+        return match.nodes
+
+    monkeypatch.setattr(post_grad, "should_prefer_unfused_addmm", reads_more)
+    assert not _compat.inductor_splits_bias_add(product)
+
+
+def test_an_op_is_lowered_with_aligned_outputs_once():
+    from torch._inductor import lowering
+
+    from offload_pass import ops
+
+    _compat.lower_with_aligned_outputs(ops.RELOAD_WAIT)
+    lowered = lowering.lowerings[ops.RELOAD_WAIT]
+    _compat.lower_with_aligned_outputs(ops.RELOAD_WAIT)
+    assert lowering.lowerings[ops.RELOAD_WAIT] is lowered
+    assert ops.RELOAD_WAIT in lowering.needs_realized_inputs  # as Inductor's own fallback

@@ -139,6 +139,20 @@ def _assert_close_to_unoffloaded(grads, expected) -> None:
         torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_offloading_an_fp32_stack_leaves_every_bit_of_its_gradients_as_stock():
+    """Stock Inductor's kernels, reading reloaded tensors: each bias add split as Inductor
+    splits it, and each kernel reading a reload compiled for an aligned buffer."""
+    model = _blocks()
+    backend = offload_pass.backend(fraction=1.0, min_bytes=0)
+    x = torch.randn(2, 128, 256, device="cuda")
+    grads, x_grad = _step(torch.compile(model, backend=backend), x)
+    expected_grads, expected_x_grad = _step(torch.compile(copy.deepcopy(model)), x)
+    assert backend.plans[0].moved
+    for name, grad in grads.items():
+        assert torch.equal(grad, expected_grads[name]), name
+    assert torch.equal(x_grad, expected_x_grad)
+
+
 @pytest.mark.parametrize("stalled", ["device_to_host", "host_to_device"])
 def test_gradients_exact_with_a_stalled_copy_stream(stalled):
     model = _blocks()
