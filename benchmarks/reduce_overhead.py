@@ -7,8 +7,9 @@ Two checks, each printed as a table:
 - **Gradients.** A float32 decoder stack trained one step at fraction 1, so that every
   candidate moves: under reduce-overhead against the same plan in the default mode
   (the same kernels, so bitwise equal unless a captured graph reads a buffer too early
-  or too late), and against stock reduce-overhead without offloading (other fusion
-  boundaries: the largest difference is printed).
+  or too late), and against stock reduce-overhead without offloading (where the
+  transfer ops leave Inductor's kernels as stock's, bitwise equal as well; the largest
+  difference is printed).
 - **Replays.** A zoo model (bf16, GPT-2 by default) under stock reduce-overhead, and
   under offload_pass ``auto`` and fraction 0.5 with reduce-overhead: the median step, the
   step ratio against stock, the step offload_pass predicted (its chunks' summed), the

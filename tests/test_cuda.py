@@ -133,12 +133,6 @@ def _step(model, x):
     return grads, x.grad
 
 
-def _assert_close_to_unoffloaded(grads, expected) -> None:
-    """Offloading changes Inductor's fusion boundaries on CUDA, so kernels differ."""
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=1e-6, msg=name)
-
-
 def test_offloading_an_fp32_stack_leaves_every_bit_of_its_gradients_as_stock():
     """Stock Inductor's kernels, reading reloaded tensors: each bias add split as Inductor
     splits it, and each kernel reading a reload compiled for an aligned buffer."""
@@ -160,7 +154,6 @@ def test_gradients_exact_with_a_stalled_copy_stream(stalled):
     compiled = torch.compile(model, backend=backend)
     x = torch.randn(2, 128, 256, device="cuda")
     expected_grads, expected_x_grad = _step(compiled, x)  # same kernels, no stall
-    _assert_close_to_unoffloaded(expected_grads, _step(torch.compile(copy.deepcopy(model)), x)[0])
 
     streams = runtime.copy_streams(x.device)
     xg = x.clone().requires_grad_()
