@@ -222,7 +222,9 @@ def wait_for_offload(stream: torch.cuda.Stream, h: torch.Tensor) -> None:
 
 def reload(hosts: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Copy each host tensor into a new buffer on ``device``, one after another on the
-    host-to-device stream; the ticket naming them."""
+    host-to-device stream; the ticket naming them. Each buffer is an allocation of its
+    own, never a view into a shared one: Inductor compiles the kernels reading them as
+    for aligned buffers (``_compat.lower_with_aligned_outputs``)."""
     _one_device(hosts, "reload")
     with _nvtx_range("reload", device):
         loaded = tuple(
