@@ -28,6 +28,16 @@ def test_every_transfer_op_takes_its_inputs_in_any_layout():
     assert all(torch.Tag.flexible_layout in op.tags for op in ops.TRANSFERS)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_current_stream_is_torchs_current_stream():
+    side = torch.cuda.Stream()
+    assert _compat.current_stream(0) == torch.cuda.default_stream(0)
+    with torch.cuda.stream(side):
+        assert _compat.current_stream(0) == side == torch.cuda.current_stream(0)
+    assert _compat.current_stream(0) == torch.cuda.current_stream(0)
+
+
 def test_cudagraph_unsafe_tag_when_torch_has_it():
     assert _compat.cudagraph_unsafe_tags() == (torch.Tag.cudagraph_unsafe,)
 

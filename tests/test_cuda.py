@@ -119,6 +119,36 @@ def test_without_record_stream_an_unwaited_reload_overwrites_a_new_tensor(monkey
     assert torch.count_nonzero(fresh) > 0
 
 
+def _moved_from_a_stalled_callers_stream() -> tuple[bool, bool, bool]:
+    """(the caller's stream stayed current through the ops, the host buffer holds what the
+    caller's stream wrote, the reload does): a tensor written on a stalled stream of the
+    caller's own, then offloaded and reloaded with that stream current."""
+    caller = torch.cuda.Stream()
+    a = torch.zeros(2**20, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(caller):
+        torch.cuda._sleep(STALL_MS * CYCLES_PER_MS)
+        a.fill_(1.0)
+        hosts = ops.offload_wait(ops.offload([a], [0]), [a], [0], [])
+        reloaded = ops.reload_wait(ops.reload(hosts, a.device, []), hosts, a.device)
+        still_current = torch.cuda.current_stream() == caller
+    torch.cuda.synchronize()
+    ones = torch.ones(2**20)
+    return still_current, torch.equal(hosts[0], ones), torch.equal(reloaded[0].cpu(), ones)
+
+
+def test_copies_wait_for_the_callers_own_stream_and_leave_it_current():
+    assert _moved_from_a_stalled_callers_stream() == (True, True, True)
+
+
+def test_copies_behind_the_default_stream_alone_miss_the_callers_writes(monkeypatch):
+    """The check above can fail: copies queued behind the default stream run before the
+    caller's stalled stream has written the tensor."""
+    monkeypatch.setattr(runtime._compat, "current_stream", torch.cuda.default_stream)
+    _, offloaded, _ = _moved_from_a_stalled_callers_stream()
+    assert not offloaded
+
+
 def _blocks(depth: int = 2, dim: int = 256, heads: int = 4) -> torch.nn.Module:
     torch.manual_seed(0)
     return models.BlockStack(dim=dim, heads=heads, depth=depth).cuda()
