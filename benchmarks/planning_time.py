@@ -6,6 +6,11 @@ timed inside the partitioner of a real compile, as the backend runs them.
 
     python -m benchmarks.planning_time [--layers 8 32 128]
     python -m benchmarks.planning_time --workload W1 --layers 8 --repeats 1
+    python -m benchmarks.planning_time --layers 177 --modes auto "fraction 1"
+
+Each row gives the joint graph's nodes (what the partitioner splits) and the split's
+(forward and backward together, what the stages read): the split has more, its saved
+values being outputs of one graph and inputs of the other.
 """
 
 from __future__ import annotations
@@ -28,25 +33,36 @@ from offload_pass.options import OffloadOptions
 from offload_pass.partition import stock_splits
 
 
+@dataclasses.dataclass(frozen=True)
+class GraphSize:
+    joint_nodes: int
+    split_nodes: int
+    """The forward's and the backward's nodes together."""
+
+
 def timed_in_compile(
-    workload: workloads.Workload, layers: int, repeats: int
-) -> tuple[int, dict[str, list[dict[str, float]]]]:
-    """Each mode's stage times, ``repeats`` runs each, on the partitioned graphs of a
-    ``layers``-deep ``workload`` stack, and the graphs' node count. The stages run where the backend
-    runs them: inside the partitioner, under the compile's fake mode and dispatch."""
+    workload: workloads.Workload, layers: int, repeats: int, modes: Sequence[str] = ()
+) -> tuple[GraphSize, dict[str, list[dict[str, float]]]]:
+    """Each of ``modes``' stage times (every mode where empty), ``repeats`` runs each, on
+    the partitioned graphs of a ``layers``-deep ``workload`` stack, and the graphs' size.
+    The stages run where the backend runs them: inside the partitioner, under the
+    compile's fake mode and dispatch."""
     found: dict[str, list[dict[str, float]]] = {}
-    nodes = []
+    sizes = []
 
     def partition(joint, joint_inputs, **kwargs):
+        joint_nodes = len(joint.graph.nodes)  # before the partitioner's own passes
         forward, backward = _compat.stock_partition(joint, joint_inputs, **kwargs)
         chunk = ChunkGraphs(forward, backward, kwargs["num_fwd_outputs"])
-        nodes.append(len(forward.graph.nodes) + len(backward.graph.nodes))
+        sizes.append(GraphSize(joint_nodes, len(forward.graph.nodes) + len(backward.graph.nodes)))
         for mode, options in MODES.items():
-            found[mode] = [stage_seconds(chunk, options) for _ in range(repeats)]
-        found[SEARCHED] = [
-            searched_seconds(joint, joint_inputs, kwargs, MODES["budget 0.7"])
-            for _ in range(repeats)
-        ]
+            if mode in modes or not modes:
+                found[mode] = [stage_seconds(chunk, options) for _ in range(repeats)]
+        if SEARCHED in modes or not modes:
+            found[SEARCHED] = [
+                searched_seconds(joint, joint_inputs, kwargs, MODES["budget 0.7"])
+                for _ in range(repeats)
+            ]
         return forward, backward
 
     def backend(gm, example_inputs):
@@ -55,8 +71,8 @@ def timed_in_compile(
     model, x = workloads.build(dataclasses.replace(workload, layers=layers), "cpu")
     torch.compile(model, backend=backend)(x)
     torch.compiler.reset()
-    (count,) = nodes
-    return count, found
+    (size,) = sizes
+    return size, found
 
 
 def stage_seconds(chunk: ChunkGraphs, options: OffloadOptions) -> dict[str, float]:
@@ -109,18 +125,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--workload", default="tiny", choices=sorted(workloads.BY_NAME))
     parser.add_argument("--layers", type=int, nargs="+", default=[8, 32, 128])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--modes", nargs="+", default=[], choices=[*MODES, SEARCHED], help="default: all"
+    )
     args = parser.parse_args(argv)
     rows = []
-    headers = ["layers", "nodes", "mode", "moved", *STAGES, "total s", WALL]
+    headers = ["layers", "joint nodes", "split nodes", "mode", "moved", *STAGES, "total s", WALL]
     workload = workloads.BY_NAME[args.workload]
     for layers in args.layers:
-        nodes, timed = timed_in_compile(workload, layers, args.repeats)
+        size, timed = timed_in_compile(workload, layers, args.repeats, args.modes)
         for mode, runs in timed.items():
             median = {k: statistics.median(r.get(k, 0.0) for r in runs) for k in STAGES}
             times = [f"{median[k]:.3f}" for k in STAGES]
             total = f"{sum(median.values()):.3f}"
             wall = f"{statistics.median(r[WALL] for r in runs):.3f}" if WALL in runs[0] else ""
-            rows.append([layers, nodes, mode, runs[0]["moved"], *times, total, wall])
+            row = [layers, size.joint_nodes, size.split_nodes, mode, runs[0]["moved"]]
+            rows.append([*row, *times, total, wall])
         print(tabulate.tabulate(rows, headers=headers), flush=True)
         print()
 

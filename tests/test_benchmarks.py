@@ -393,6 +393,18 @@ def test_planning_time_times_every_stage_and_the_search_with_its_partitions(caps
     assert float(searched[-1]) >= float(searched[-2]) > 0  # the partitions come on top
 
 
+def test_planning_time_times_the_modes_asked_for_on_graphs_of_both_sizes(capsys):
+    from benchmarks import planning_time
+
+    planning_time.main(["--layers", "2", "--repeats", "1", "--modes", "auto"])
+    header, _, *rows = capsys.readouterr().out.splitlines()[:-1]
+    assert header.split()[:6] == ["layers", "joint", "nodes", "split", "nodes", "mode"]
+    (row,) = rows
+    layers, joint_nodes, split_nodes, mode = row.split()[:4]
+    assert (layers, mode) == ("2", "auto")
+    assert 0 < int(joint_nodes) < int(split_nodes)
+
+
 def test_a_fitted_step_reports_only_the_kept_budgets_plan(monkeypatch):
     """Where a later trial ran after the one the fit keeps, the kept budget is compiled
     afresh: its first backend would plan the recompile beside its first plan, and the
