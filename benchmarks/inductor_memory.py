@@ -133,7 +133,7 @@ vocabulary: the logits' buffers are what the peak is made of."""
 def _predicted_forward_peak(costs: ChunkCosts) -> int:
     """The most the cost model holds in forward, nothing moved."""
     timeline = MemoryTimeline(costs, ())
-    return timeline.resident + max(timeline.live[: costs.num_forward])
+    return timeline.resident + timeline.live.max(0, costs.num_forward)
 
 
 def measure(

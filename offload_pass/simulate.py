@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 
 from offload_pass.costs import ChunkCosts
 from offload_pass.profiles import DeviceProfile
+from offload_pass.ranges import RangeAddMax
 from offload_pass.units import format_bytes, format_seconds
 
 
@@ -232,8 +233,9 @@ class MemoryTimeline:
             allocated[costs.num_forward + t.reload_at] += t.nbytes
         net = (a - f for a, f in zip(allocated, freed, strict=True))
         held = list(itertools.accumulate(net, initial=0))
-        self.live = [before + a for before, a in zip(held, allocated, strict=False)]
-        self.top = max(self.live, default=0)
+        live = [before + a for before, a in zip(held, allocated, strict=False)]
+        self.live = RangeAddMax(live)
+        self.top = max(live, default=0)
         self.held_between = held[costs.num_forward]
         self.resident = costs.resident_bytes
         self.in_flight = in_flight
@@ -243,30 +245,30 @@ class MemoryTimeline:
     def peak(self) -> int:
         return self.resident + (self.in_flight - 1) * self.held_between + self.top
 
-    def _away(self, t: Transfer) -> slice:
-        """The positions at which ``t``'s storage is off the device."""
-        return slice(t.wait_at + 1, self.num_forward + t.reload_at)
+    def _away(self, t: Transfer) -> tuple[int, int]:
+        """The positions ``[start, stop)`` at which ``t``'s storage is off the device."""
+        return t.wait_at + 1, self.num_forward + t.reload_at
 
     def peak_without(self, t: Transfer) -> int:
-        raised = max(self.live[self._away(t)], default=0) + t.nbytes
+        raised = self.live.max(*self._away(t)) + t.nbytes
         others = (self.in_flight - 1) * (self.held_between + t.nbytes)
         return self.resident + others + max(self.top, raised)
 
     def keep(self, t: Transfer) -> None:
         """Count ``t``'s storage as held on the device throughout."""
         away = self._away(t)
-        self.live[away] = [b + t.nbytes for b in self.live[away]]
-        self.top = max(self.top, max(self.live[away], default=0))
+        self.live.add(*away, t.nbytes)
+        self.top = max(self.top, self.live.max(*away))
         self.held_between += t.nbytes
 
     def hold_if_fits(self, holds: Sequence[Hold]) -> bool:
         """Count each hold's bytes as held over its positions, and say so, where that
         leaves the top where it is; else change nothing and say not."""
         segments = list(_levels(holds))
-        if any(max(self.live[start:stop]) + level > self.top for start, stop, level in segments):
+        if any(self.live.max(start, stop) + level > self.top for start, stop, level in segments):
             return False
         for start, stop, level in segments:
-            self.live[start:stop] = [b + level for b in self.live[start:stop]]
+            self.live.add(start, stop, level)
         return True
 
 
@@ -312,15 +314,19 @@ def _run(costs: ChunkCosts, transfers: Sequence[Transfer]) -> _Timeline:
     forward = zip(costs.forward_seconds, costs.forward_launches, strict=True)
     for i, (seconds, launches) in enumerate(forward):
         forward_starts.append(streams.run(seconds, launches))
-        issued = offloads.get(i, [])
-        hosts = _op_host_seconds(
-            issued, "wait_at", profile.offload_host_seconds, profile.bucketed_offload_host_seconds
-        )
-        for t, host_seconds in zip(issued, hosts, strict=True):
-            c = copies[t.root]
-            c.offload_start, c.offload_end = streams.issue(
-                device_to_host, 0.0, costs.offload_seconds(t.nbytes), host_seconds
+        if i in offloads:  # most nodes issue nothing: no call for them
+            issued = offloads[i]
+            hosts = _op_host_seconds(
+                issued,
+                "wait_at",
+                profile.offload_host_seconds,
+                profile.bucketed_offload_host_seconds,
             )
+            for t, host_seconds in zip(issued, hosts, strict=True):
+                c = copies[t.root]
+                c.offload_start, c.offload_end = streams.issue(
+                    device_to_host, 0.0, costs.offload_seconds(t.nbytes), host_seconds
+                )
         for t in waits.get(i, ()):
             copies[t.root].stall += streams.wait_for(copies[t.root].offload_end)
     forward_end = streams.clock
@@ -329,15 +335,19 @@ def _run(costs: ChunkCosts, transfers: Sequence[Transfer]) -> _Timeline:
     backward_starts = []
     backward = zip(costs.backward_seconds, costs.backward_launches, strict=True)
     for j, (seconds, launches) in enumerate(backward):
-        issued = sorted(reloads.get(j, ()), key=lambda t: t.need_at)
-        hosts = _op_host_seconds(
-            issued, "need_at", profile.reload_host_seconds, profile.bucketed_reload_host_seconds
-        )
-        for t, host_seconds in zip(issued, hosts, strict=True):
-            c = copies[t.root]
-            c.reload_start, c.reload_end = streams.issue(
-                host_to_device, c.offload_end, costs.reload_seconds(t.nbytes), host_seconds
+        if j in reloads:
+            issued = sorted(reloads[j], key=lambda t: t.need_at)
+            hosts = _op_host_seconds(
+                issued,
+                "need_at",
+                profile.reload_host_seconds,
+                profile.bucketed_reload_host_seconds,
             )
+            for t, host_seconds in zip(issued, hosts, strict=True):
+                c = copies[t.root]
+                c.reload_start, c.reload_end = streams.issue(
+                    host_to_device, c.offload_end, costs.reload_seconds(t.nbytes), host_seconds
+                )
         for t in needs.get(j, ()):
             copies[t.root].stall += streams.wait_for(copies[t.root].reload_end)
         backward_starts.append(streams.run(seconds, launches))
