@@ -398,6 +398,17 @@ def test_the_partitioners_settings_are_read_from_its_config():
         assert _compat.partitions_sync_across_ranks() is True
 
 
+def test_a_symbolic_size_is_found_anywhere_in_a_view_ops_arguments():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    size = _symbolic_fake(FakeTensorMode(shape_env=ShapeEnv()), 2, 3, 4).shape[0]
+    assert isinstance(size, torch.SymInt)
+    for holding in [size, ([2, size], {}), ((), {"end": size}), ([[1, (size,)]], {})]:
+        assert _compat._holds_symint(holding)
+    for static in [([6, 4], {}), ((1, 1, 3), {"dim": 0}), ((), {}), (None, {"x": [2.0]})]:
+        assert not _compat._holds_symint(static)
+
+
 @pytest.mark.parametrize(
     ("target", "args"),
     [
