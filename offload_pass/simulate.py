@@ -193,6 +193,17 @@ def _by(transfers: Sequence[Transfer], key: str) -> dict[int, list[Transfer]]:
     return buckets
 
 
+def _with_host_seconds(
+    issued_at: dict[int, list[Transfer]], partner: str, alone: float, added: float
+) -> dict[int, list[tuple[Transfer, float]]]:
+    """The transfers issued at each position, in order, each with what it costs the host
+    (``_op_host_seconds``)."""
+    return {
+        at: list(zip(issued, _op_host_seconds(issued, partner, alone, added), strict=True))
+        for at, issued in issued_at.items()
+    }
+
+
 def _op_host_seconds(
     issued: Sequence[Transfer], partner: str, alone: float, added: float
 ) -> list[float]:
@@ -306,27 +317,30 @@ def _run(costs: ChunkCosts, transfers: Sequence[Transfer]) -> _Timeline:
     streams = _Streams(costs.profile)
     profile = costs.profile
     copies = {t.root: _Copy(t) for t in transfers}
-    offloads, waits = _by(transfers, "offload_at"), _by(transfers, "wait_at")
-    reloads, needs = _by(transfers, "reload_at"), _by(transfers, "need_at")
+    waits, needs = _by(transfers, "wait_at"), _by(transfers, "need_at")
+    offloads = _with_host_seconds(
+        _by(transfers, "offload_at"),
+        "wait_at",
+        profile.offload_host_seconds,
+        profile.bucketed_offload_host_seconds,
+    )
+    reloads = _with_host_seconds(
+        {j: sorted(ts, key=lambda t: t.need_at) for j, ts in _by(transfers, "reload_at").items()},
+        "need_at",
+        profile.reload_host_seconds,
+        profile.bucketed_reload_host_seconds,
+    )
 
     device_to_host = CopyQueue()
     forward_starts = []
     forward = zip(costs.forward_seconds, costs.forward_launches, strict=True)
     for i, (seconds, launches) in enumerate(forward):
         forward_starts.append(streams.run(seconds, launches))
-        if i in offloads:  # most nodes issue nothing: no call for them
-            issued = offloads[i]
-            hosts = _op_host_seconds(
-                issued,
-                "wait_at",
-                profile.offload_host_seconds,
-                profile.bucketed_offload_host_seconds,
+        for t, host_seconds in offloads.get(i, ()):
+            c = copies[t.root]
+            c.offload_start, c.offload_end = streams.issue(
+                device_to_host, 0.0, costs.offload_seconds(t.nbytes), host_seconds
             )
-            for t, host_seconds in zip(issued, hosts, strict=True):
-                c = copies[t.root]
-                c.offload_start, c.offload_end = streams.issue(
-                    device_to_host, 0.0, costs.offload_seconds(t.nbytes), host_seconds
-                )
         for t in waits.get(i, ()):
             copies[t.root].stall += streams.wait_for(copies[t.root].offload_end)
     forward_end = streams.clock
@@ -335,19 +349,11 @@ def _run(costs: ChunkCosts, transfers: Sequence[Transfer]) -> _Timeline:
     backward_starts = []
     backward = zip(costs.backward_seconds, costs.backward_launches, strict=True)
     for j, (seconds, launches) in enumerate(backward):
-        if j in reloads:
-            issued = sorted(reloads[j], key=lambda t: t.need_at)
-            hosts = _op_host_seconds(
-                issued,
-                "need_at",
-                profile.reload_host_seconds,
-                profile.bucketed_reload_host_seconds,
+        for t, host_seconds in reloads.get(j, ()):
+            c = copies[t.root]
+            c.reload_start, c.reload_end = streams.issue(
+                host_to_device, c.offload_end, costs.reload_seconds(t.nbytes), host_seconds
             )
-            for t, host_seconds in zip(issued, hosts, strict=True):
-                c = copies[t.root]
-                c.reload_start, c.reload_end = streams.issue(
-                    host_to_device, c.offload_end, costs.reload_seconds(t.nbytes), host_seconds
-                )
         for t in needs.get(j, ()):
             copies[t.root].stall += streams.wait_for(copies[t.root].reload_end)
         backward_starts.append(streams.run(seconds, launches))
