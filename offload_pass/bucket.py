@@ -56,12 +56,37 @@ def _runs(
     return runs
 
 
+@dataclasses.dataclass
+class _RunTotals:
+    """What joining a forward run reads of it: its copies' earliest planned start, their
+    seconds in all, its last wait and its bytes; kept as the run grows, so that each
+    join costs the same however long the run."""
+
+    count: int = 0
+    first_start: float = float("inf")
+    seconds: float = 0.0
+    last_wait: int = -1
+    nbytes: int = 0
+
+
 def _forward_runs(
     planned: ChunkPlan, costs: ChunkCosts, memory: MemoryTimeline
 ) -> list[list[Transfer]]:
     copies = {c.root: c for c in planned.prediction.copies}
     starts = planned.prediction.forward_starts
     ends = [s + d for s, d in zip(starts, costs.forward_seconds, strict=True)]
+    known: dict[int, _RunTotals] = {}
+
+    def totals(run: list[Transfer]) -> _RunTotals:
+        """The run's totals, brought up to its members (a run only grows at its end)."""
+        found = known.setdefault(id(run), _RunTotals())
+        for m in run[found.count :]:
+            found.count += 1
+            found.first_start = min(found.first_start, copies[m.root].offload_start)
+            found.seconds += costs.offload_seconds(m.nbytes)
+            found.last_wait = max(found.last_wait, m.wait_at)
+            found.nbytes += m.nbytes
+        return found
 
     def joins(run: list[Transfer], t: Transfer) -> bool:
         """Whether the run's copies, issued together after ``t`` is made, still end
@@ -69,17 +94,18 @@ def _forward_runs(
         cannot overlap compute, each costs the same wherever it is issued."""
         if not costs.profile.copies_overlap_compute:
             return True
-        members = [*run, t]
-        start = max(ends[t.offload_at], min(copies[m.root].offload_start for m in members))
-        seconds = sum(costs.offload_seconds(m.nbytes) for m in members)
-        return start + OFFLOAD_MARGIN * seconds <= ends[max(m.wait_at for m in members)]
+        run_totals = totals(run)
+        start = max(ends[t.offload_at], min(run_totals.first_start, copies[t.root].offload_start))
+        seconds = run_totals.seconds + costs.offload_seconds(t.nbytes)
+        return start + OFFLOAD_MARGIN * seconds <= ends[max(run_totals.last_wait, t.wait_at)]
 
     def holds(run: list[Transfer], t: Transfer) -> list[Hold]:
-        """Each member now freed at the run's last wait, after where it was freed."""
-        was = max(r.wait_at for r in run)
+        """Every member of the run, each held to the run's last wait already, now held to
+        ``t``'s wait where that is later; ``t`` held from its own wait to there."""
+        run_totals = totals(run)
+        was = run_totals.last_wait
         now = max(was, t.wait_at)
-        extended = [(was + 1, now + 1, r.nbytes) for r in run]
-        return [*extended, (t.wait_at + 1, now + 1, t.nbytes)]
+        return [(was + 1, now + 1, run_totals.nbytes), (t.wait_at + 1, now + 1, t.nbytes)]
 
     ordered = sorted(planned.transfers, key=lambda t: t.offload_at)
     return _runs(ordered, joins, holds, memory)
