@@ -75,11 +75,12 @@ def _forward_runs(
     copies = {c.root: c for c in planned.prediction.copies}
     starts = planned.prediction.forward_starts
     ends = [s + d for s, d in zip(starts, costs.forward_seconds, strict=True)]
-    known: dict[int, _RunTotals] = {}
+    known: dict[str, _RunTotals] = {}
 
     def totals(run: list[Transfer]) -> _RunTotals:
-        """The run's totals, brought up to its members (a run only grows at its end)."""
-        found = known.setdefault(id(run), _RunTotals())
+        """The run's totals, by its first member's root, brought up to its members (a run
+        only grows at its end)."""
+        found = known.setdefault(run[0].root, _RunTotals())
         for m in run[found.count :]:
             found.count += 1
             found.first_start = min(found.first_start, copies[m.root].offload_start)
