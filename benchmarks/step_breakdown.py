@@ -4,21 +4,24 @@ fused kernels), for the step with nothing moved (``fraction=0``). It shows which
 work a wrong step prediction misprices.
 
     python -m benchmarks.step_breakdown --workload W1
+    python -m benchmarks.step_breakdown --model llama gpt2   # models of benchmarks/zoo.py
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-from collections.abc import Iterable, Sequence
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import tabulate
 import torch
 
 import offload_pass
-from benchmarks import workloads
+from benchmarks import workloads, zoo
 from offload_pass.plan import Plan
-from offload_pass.timing import sustained_slowdown
+from offload_pass.timing import settled_slowdown
 
 WARM_UP_STEPS = 2
 PRODUCT_TARGETS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward")
@@ -71,25 +74,35 @@ def measured_by_kind(profile: torch.profiler.profile) -> tuple[dict[str, float],
     return seconds, [f"{n} x{c}" for n, c in other.most_common(8)]
 
 
-def breakdown(workload: workloads.Workload) -> str:
+def _workload_task(name: str) -> tuple[torch.nn.Module, torch.Tensor]:
+    model, x = workloads.build(workloads.BY_NAME[name], "cuda")
+    return workloads.WithLoss(model), x
+
+
+def breakdown(name: str, build: Callable[[], tuple[torch.nn.Module, Any]]) -> str:
+    """The table for the task ``build`` makes: a module that returns the loss, and its
+    input."""
     torch.compiler.reset()
     torch.manual_seed(0)
-    model, x = workloads.build(workload, "cuda")
+    task, x = build()
     backend = offload_pass.backend(fraction=0.0)
-    compiled = torch.compile(workloads.WithLoss(model), backend=backend)
+    compiled = torch.compile(task, backend=backend)
+
+    start, forward_end, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
 
     def step() -> None:
-        compiled(x).backward()
-        model.zero_grad(set_to_none=True)
+        start.record()
+        loss = compiled(x)
+        forward_end.record()
+        loss.backward()
+        end.record()
+        task.zero_grad(set_to_none=True)
 
     for _ in range(WARM_UP_STEPS):
         step()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-        start.record()
         step()
-        end.record()
         torch.cuda.synchronize()
     predicted = predicted_by_kind(backend.plans)
     measured, other_names = measured_by_kind(profile)
@@ -98,23 +111,34 @@ def breakdown(workload: workloads.Workload) -> str:
         for kind in ("products", "attention", "other", "copies")
     ]
     rows.append(["sum", sum(measured.values()) * 1e3, sum(predicted.values()) * 1e3])
-    step_ms = start.elapsed_time(end)
-    predicted_step = sum(p.prediction.step_seconds for p in backend.plans) * 1e3
-    rows.append(["step", step_ms, predicted_step])
+    predictions = [p.prediction for p in backend.plans]
+    forward_ms = sum(p.forward_seconds for p in predictions) * 1e3
+    rows.append(["forward", start.elapsed_time(forward_end), forward_ms])
+    rows.append(["step", start.elapsed_time(end), sum(p.step_seconds for p in predictions) * 1e3])
     table = tabulate.tabulate(rows, headers=["kind", "measured ms", "predicted ms"], floatfmt=".1f")
-    slowdown = sustained_slowdown(torch.device("cuda", torch.cuda.current_device()))
+    device = torch.device("cuda", torch.cuda.current_device())
+    slowdowns = ", ".join(
+        f"{settled_slowdown([*p.forward.graph.nodes, *p.backward.graph.nodes], device):.3f}"
+        for p in backend.plans
+    )
     return (
-        f"## {workload.name}\n{table}\ntimed kernels scaled by the sustained slowdown "
-        f"{slowdown:.3f}; kernels taken as other: {', '.join(other_names)}\n"
+        f"## {name}\n{table}\ntimed kernels scaled by each chunk's settled slowdown "
+        f"({slowdowns}); kernels taken as other: {', '.join(other_names)}\n"
     )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", nargs="+", default=["W1"], choices=sorted(workloads.BY_NAME))
+    parser.add_argument("--workload", nargs="+", default=[], choices=sorted(workloads.BY_NAME))
+    parser.add_argument("--model", nargs="+", default=[], choices=sorted(zoo.MODELS))
     args = parser.parse_args(argv)
-    for name in args.workload:
-        print(breakdown(workloads.BY_NAME[name]), flush=True)
+    if not args.workload and not args.model:
+        args.workload = ["W1"]
+    tasks = [(name, functools.partial(_workload_task, name)) for name in args.workload]
+    device = torch.device("cuda")
+    tasks += [(name, functools.partial(zoo.MODELS[name].build, device)) for name in args.model]
+    for name, build in tasks:
+        print(breakdown(name, build), flush=True)
 
 
 if __name__ == "__main__":

@@ -95,9 +95,9 @@ def plan_chunk(chunk: ChunkGraphs, options: OffloadOptions, rule: FractionRule) 
         groups = find_saved_groups(chunk)
     with clock.stage("costs"):
         device = chunk.device()
-        costs = estimate_costs(
-            chunk, planning_profile(options, device), timer_for(options.profile, device)
-        )
+        nodes = [*chunk.forward.graph.nodes, *chunk.backward.graph.nodes]
+        timer = timer_for(options.profile, device, nodes)
+        costs = estimate_costs(chunk, planning_profile(options, device), timer)
     with clock.stage("plan"):
         request = request_for(groups, options, rule)
         planned = plan_offloads(groups, costs, request)

@@ -15,19 +15,25 @@ dropout excepted). Timing is advisory: whatever goes wrong, the node keeps its p
 the rates.
 
 A call timed alone runs at the clock of a device that was idle; a training step keeps
-the device busy, and its clock settles lower under the power limit. So every time
-measured is scaled by the device's sustained slowdown, measured once per device: a
-large product's time once the device has run it back to back for ``SETTLE_SECONDS``,
-over its time alone (``sustained_slowdown``), kept like the kernels' times.
+the device busy, and its clock settles lower under the power limit, by how much depends
+on the power the step's own kernels draw (a wide product's more than attention's). So
+every time measured is scaled by its chunk's settled slowdown (``settled_slowdown``):
+the chunk's timed kernels queued back to back in their order, once the device has run
+them so for ``SETTLE_SECONDS``, over the sum of their times alone; kept per kernel
+sequence like the kernels' times. Where that sequence cannot run (out of memory) or the
+host cannot launch it as fast as the device runs it, a large reference product's
+slowdown stands in (``sustained_slowdown``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import math
 import statistics
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -45,6 +51,11 @@ RANDOM_STATE_ARGUMENTS = frozenset({"philox_seed", "philox_offset", "rng_state"}
 SETTLE_SECONDS = 0.5
 """How long the reference product runs back to back before its settled time is read."""
 SETTLED_CALLS = 20
+SETTLED_SECONDS = 0.25
+"""How long a chunk's settled kernels are timed, after ``SETTLE_SECONDS`` of the same."""
+LAUNCH_BOUND_SHARE = 0.5
+"""A kernel sequence whose launches take the host more than this share of the device's
+time for it is launch-bound: the device waits on the host, and its clock is not read."""
 REFERENCE_PRODUCT_SIZE = 8192
 """The reference product is this square, in bf16: long enough per call (about 1.4 ms on
 an H200) that the device's power draw, not the host, sets its clock."""
@@ -55,45 +66,127 @@ KERNEL_SECONDS = "kernel seconds"
 SUSTAINED_SLOWDOWN = "sustained slowdown"
 REFERENCE = f"bf16 product {REFERENCE_PRODUCT_SIZE}^3 settled for {SETTLE_SECONDS} s"
 """The key of the sustained slowdown: what it was measured with."""
+SETTLED_SLOWDOWN = "settled slowdown"
+"""The device cache's section of chunks' settled slowdowns, keyed by kernel sequence."""
+SEQUENCE_SETTINGS = f"settled for {SETTLE_SECONDS} s, timed for {SETTLED_SECONDS} s"
 
-_seconds_by_device: dict[torch.device, dict[str, float]] = {}
+_kept_by_device: dict[tuple[torch.device, str], dict[str, float]] = {}
 
 
-def timer_for(profile: DeviceProfile | str | None, device: torch.device) -> NodeTimer | None:
-    """The timer of a chunk on ``device`` planned with ``profile`` (the option): a CUDA
-    device is timed where the profile describes the device present (``None`` or
-    ``"calibrate"``), not where a named or given profile plans for another one. The CPU
-    is not timed: its copies do not overlap compute, so there is nothing to hide."""
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """One timed node as its kernel runs alone: the op and its arguments' description."""
+
+    key: str
+    target: Callable[..., Any]
+    signature: Hashable
+
+    @classmethod
+    def of(cls, node: torch.fx.Node) -> _Call | None:
+        """None where ``node`` has no FLOPs or reads values random ones cannot stand for."""
+        if not _compat.flop_count(node):  # FLOPs are counted for ATen ops alone
+            return None
+        try:
+            signature = _signature(_named_values(node))
+        except Exception:  # noqa: BLE001  (advisory: any argument it cannot describe)
+            return None
+        key = repr((str(node.target), signature, _precision_settings()))
+        return cls(key, node.target, signature)  # type: ignore[arg-type]
+
+
+def timer_for(
+    profile: DeviceProfile | str | None, device: torch.device, nodes: Sequence[torch.fx.Node]
+) -> NodeTimer | None:
+    """The timer of the chunk of ``nodes`` on ``device`` planned with ``profile`` (the
+    option): a CUDA device is timed where the profile describes the device present
+    (``None`` or ``"calibrate"``), not where a named or given profile plans for another
+    one; each time at the chunk's settled clock. The CPU is not timed: its copies do not
+    overlap compute, so there is nothing to hide."""
     if device.type != "cuda" or profile not in (None, CALIBRATE):
         return None
-    return functools.partial(measured_seconds, device=device)
+    slowdown = settled_slowdown(nodes, device)
+    return functools.partial(_settled_seconds, device=device, slowdown=slowdown)
+
+
+def _settled_seconds(node: torch.fx.Node, device: torch.device, slowdown: float) -> float | None:
+    seconds = measured_seconds(node, device)
+    return None if seconds is None else seconds * slowdown
 
 
 def measured_seconds(node: torch.fx.Node, device: torch.device) -> float | None:
-    """Seconds ``node`` takes on ``device``; None where it has no FLOPs, reads values
-    random ones cannot stand for, or fails to run."""
-    if not _compat.flop_count(node):  # FLOPs are counted for ATen ops alone
-        return None
-    try:
-        signature = _signature(_named_values(node))
-    except Exception:  # noqa: BLE001  (advisory: any argument it cannot describe)
-        return None
-    key = repr((str(node.target), signature, _precision_settings()))
-    kept = _kept_seconds(device)
-    if key not in kept:
-        seconds = _timed(node.target, signature, device)
+    """Seconds ``node`` takes on ``device`` timed alone; None where it has no FLOPs,
+    reads values random ones cannot stand for, or fails to run."""
+    call = _Call.of(node)
+    return None if call is None else _alone_seconds(call, device)
+
+
+def _alone_seconds(call: _Call, device: torch.device) -> float | None:
+    kept = _kept(device, KERNEL_SECONDS)
+    if call.key not in kept:
+        seconds = _timed(call.target, call.signature, device)
         if seconds is None:
             return None
-        kept[key] = seconds
-        device_cache.record(device, KERNEL_SECONDS, key, seconds)
-    return kept[key] * sustained_slowdown(device)
+        kept[call.key] = seconds
+        device_cache.record(device, KERNEL_SECONDS, call.key, seconds)
+    return kept[call.key]
 
 
-def _kept_seconds(device: torch.device) -> dict[str, float]:
-    """The kernel times known for ``device``: read from the device cache on first use."""
-    if device not in _seconds_by_device:
-        _seconds_by_device[device] = device_cache.numbers(device, KERNEL_SECONDS)
-    return _seconds_by_device[device]
+def _kept(device: torch.device, section: str) -> dict[str, float]:
+    """The numbers known for ``device`` in ``section``: read from the device cache on
+    first use, and kept for the process where the cache is off."""
+    if (device, section) not in _kept_by_device:
+        _kept_by_device[device, section] = device_cache.numbers(device, section)
+    return _kept_by_device[device, section]
+
+
+def settled_slowdown(nodes: Sequence[torch.fx.Node], device: torch.device) -> float:
+    """How much longer the timed kernels of ``nodes`` take queued back to back in their
+    order, once the device has run them so for ``SETTLE_SECONDS``, than the sum of their
+    times alone; 1 where none is timed; the reference product's slowdown where they
+    cannot run so. Kept per kernel sequence and device, for the process and on disk."""
+    calls = [c for c in map(_Call.of, nodes) if c is not None]
+    alone = {c.key: _alone_seconds(c, device) for c in calls}
+    calls = [c for c in calls if alone[c.key] is not None]
+    if not calls:
+        return 1.0
+    alone_seconds = sum(alone[c.key] or 0.0 for c in calls)
+    sequence = f"{SEQUENCE_SETTINGS}\n{[c.key for c in calls]}"
+    key = hashlib.sha256(sequence.encode()).hexdigest()
+    kept = _kept(device, SETTLED_SLOWDOWN)
+    if key not in kept:
+        settled = _settled_sequence_seconds(calls, alone_seconds, device)
+        if settled is None:
+            return sustained_slowdown(device)
+        kept[key] = settled / alone_seconds
+        device_cache.record(device, SETTLED_SLOWDOWN, key, kept[key])
+    return kept[key]
+
+
+def _settled_sequence_seconds(
+    calls: Sequence[_Call], alone_seconds: float, device: torch.device
+) -> float | None:
+    """Mean seconds of one pass of ``calls`` queued back to back after ``SETTLE_SECONDS``
+    of the same; None where they fail to run or their launches bound them."""
+    if device.type != "cuda":
+        return None  # the CPU has no settled clock to read
+    try:
+        with _compat.outside_compile(), torch.no_grad(), torch.random.fork_rng([device]):
+            inputs = {c.key: _materialize(c.signature, device) for c in calls}
+
+            def run() -> None:
+                for call in calls:
+                    args, kwargs = inputs[call.key]
+                    call.target(*args, **kwargs)
+
+            deadline = time.perf_counter() + SETTLE_SECONDS
+            while time.perf_counter() < deadline:
+                run()
+                torch.cuda.synchronize(device)
+            passes = math.ceil(SETTLED_SECONDS / alone_seconds)
+            seconds, launch_seconds = _queued_seconds(run, device, passes)
+    except Exception:  # noqa: BLE001  (advisory: the reference product stands in)
+        return None
+    return None if launch_seconds > LAUNCH_BOUND_SHARE * seconds else seconds / passes
 
 
 @functools.cache
@@ -134,15 +227,25 @@ def _measured_slowdown(device: torch.device) -> float | None:
 
 def _train_seconds(run: Callable[[], object], device: torch.device, calls: int) -> float:
     """Mean seconds of ``calls`` calls of ``run`` queued back to back on ``device``."""
+    return _queued_seconds(run, device, calls)[0] / calls
+
+
+def _queued_seconds(
+    run: Callable[[], object], device: torch.device, calls: int
+) -> tuple[float, float]:
+    """Seconds the device takes for ``calls`` calls of ``run`` queued back to back, and
+    the host's seconds to queue them."""
     stream = torch.cuda.current_stream(device)
     start_event = torch.cuda.Event(enable_timing=True)
     end_event = torch.cuda.Event(enable_timing=True)
     start_event.record(stream)
+    queued = time.perf_counter()
     for _ in range(calls):
         run()
+    launch_seconds = time.perf_counter() - queued
     end_event.record(stream)
     end_event.synchronize()
-    return start_event.elapsed_time(end_event) / 1e3 / calls
+    return start_event.elapsed_time(end_event) / 1e3, launch_seconds
 
 
 @dataclasses.dataclass(frozen=True)

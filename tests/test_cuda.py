@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import offload_pass
-from offload_pass import device_cache, ops, runtime
+from offload_pass import device_cache, ops, runtime, timing
 from tests import models
 from tests.conftest import total
 
@@ -298,6 +298,22 @@ def test_a_spin_keeps_the_stream_busy_while_the_host_queues_work():
     queued.record()
     assert not queued.query(), "the event ran before the spin ended"
     torch.cuda.synchronize()
+
+
+def test_a_chunks_kernels_settle_at_a_clock_measured_on_them(monkeypatch, tmp_path):
+    """The chunk's own products run back to back until the clock settles and are read;
+    the reference product's slowdown does not stand in."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    monkeypatch.setenv(device_cache.CACHE_DIR_VARIABLE, str(tmp_path))
+    monkeypatch.setattr(timing, "_kept_by_device", {})
+    monkeypatch.setattr(timing, "sustained_slowdown", lambda device: pytest.fail("fell back"))
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    graph = make_fx(lambda a, b: (a @ b).relu() @ b, tracing_mode="fake")(a, a)
+    device = torch.device("cuda", torch.cuda.current_device())
+    slowdown = timing.settled_slowdown(list(graph.graph.nodes), device)
+    assert 0.8 < slowdown < 2.0
+    assert list(device_cache.numbers(device, timing.SETTLED_SLOWDOWN).values()) == [slowdown]
 
 
 def test_calibration_inside_a_compile_measures_real_tensors(monkeypatch, tmp_path):

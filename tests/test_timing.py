@@ -57,11 +57,11 @@ def test_symbolic_sizes_are_timed_at_their_hints():
 
 def test_only_a_profile_of_the_device_present_is_timed():
     cuda = torch.device("cuda", 0)
-    assert timing.timer_for(None, cuda) is not None
-    assert timing.timer_for("calibrate", cuda) is not None
-    assert timing.timer_for("h200", cuda) is None
-    assert timing.timer_for(BUILT_IN["h200"], cuda) is None
-    assert timing.timer_for(None, CPU) is None
+    assert timing.timer_for(None, cuda, ()) is not None
+    assert timing.timer_for("calibrate", cuda, ()) is not None
+    assert timing.timer_for("h200", cuda, ()) is None
+    assert timing.timer_for(BUILT_IN["h200"], cuda, ()) is None
+    assert timing.timer_for(None, CPU, ()) is None
 
 
 def test_kernels_are_timed_on_real_tensors_inside_a_compile_fake_mode():
@@ -131,7 +131,7 @@ def new_process(monkeypatch, tmp_path):
     """Timing's state as a new process finds it, with the device cache in ``tmp_path``."""
 
     def start() -> None:
-        monkeypatch.setattr(timing, "_seconds_by_device", {})
+        monkeypatch.setattr(timing, "_kept_by_device", {})
         timing.sustained_slowdown.cache_clear()
 
     monkeypatch.setenv(device_cache.CACHE_DIR_VARIABLE, str(tmp_path))
@@ -162,6 +162,60 @@ def test_the_sustained_slowdown_is_kept_for_the_next_process(new_process, monkey
     new_process()
     monkeypatch.setattr(timing, "_measured_slowdown", _untimeable)
     assert timing.sustained_slowdown(CPU) == 1.25
+
+
+def _settled_at(slowdown: float):
+    """A stand-in for the settled sequence's time: ``slowdown`` times the time alone."""
+    settled = []
+
+    def seconds(calls, alone_seconds, device):
+        settled.append([c.key for c in calls])
+        return slowdown * alone_seconds
+
+    return seconds, settled
+
+
+def test_a_chunks_settled_slowdown_is_kept_for_the_next_process(new_process, monkeypatch):
+    chunk = _chunk()
+    nodes = [*chunk.forward.graph.nodes, *chunk.backward.graph.nodes]
+    seconds, settled = _settled_at(1.25)
+    monkeypatch.setattr(timing, "_settled_sequence_seconds", seconds)
+    assert timing.settled_slowdown(nodes, CPU) == pytest.approx(1.25)
+    (products,) = settled
+    assert len(products) == sum(1 for n in nodes if n.target is torch.ops.aten.mm.default)
+    new_process()
+    monkeypatch.setattr(timing, "_settled_sequence_seconds", _untimeable)
+    assert timing.settled_slowdown(nodes, CPU) == pytest.approx(1.25)
+
+
+def test_each_kernel_sequence_settles_on_its_own(new_process, monkeypatch):
+    """A chunk of other kernels draws other power: its clock is read again."""
+    seconds, settled = _settled_at(1.1)
+    monkeypatch.setattr(timing, "_settled_sequence_seconds", seconds)
+    bmm = make_fx(torch.bmm, tracing_mode="fake")(torch.randn(2, 2, 3), torch.randn(2, 3, 2))
+    timing.settled_slowdown(list(_chunk().forward.graph.nodes), CPU)
+    timing.settled_slowdown(list(bmm.graph.nodes), CPU)
+    timing.settled_slowdown(list(_chunk().forward.graph.nodes), CPU)  # the same sequence
+    assert len(settled) == 2 and settled[0] != settled[1]
+
+
+def test_a_chunk_without_timed_kernels_runs_at_the_clock_it_is_timed_at(monkeypatch):
+    monkeypatch.setattr(timing, "_settled_sequence_seconds", _untimeable)
+    relu = _node(_chunk().forward.graph, torch.ops.aten.relu.default)
+    assert timing.settled_slowdown([relu], CPU) == 1.0
+
+
+def test_a_sequence_that_cannot_settle_takes_the_reference_slowdown(new_process, monkeypatch):
+    monkeypatch.setattr(timing, "_measured_slowdown", lambda device: 1.3)
+    nodes = list(_chunk().forward.graph.nodes)
+    assert timing.settled_slowdown(nodes, CPU) == 1.3  # the CPU has no settled clock
+    assert not device_cache.numbers(CPU, timing.SETTLED_SLOWDOWN)
+
+
+def test_timed_nodes_are_priced_at_the_settled_clock(new_process):
+    mm = _node(_chunk().forward.graph, torch.ops.aten.mm.default)
+    alone = timing.measured_seconds(mm, CPU)
+    assert timing._settled_seconds(mm, CPU, slowdown=1.5) == pytest.approx(1.5 * alone)
 
 
 def test_a_slowdown_that_cannot_be_measured_is_one_and_not_kept(new_process, tmp_path):
