@@ -54,7 +54,7 @@ SETTLED_CALLS = 20
 SETTLED_SECONDS = 0.25
 """How long a chunk's settled kernels are timed, after ``SETTLE_SECONDS`` of the same."""
 LAUNCH_BOUND_SHARE = 0.5
-"""A kernel sequence whose launches take the host more than this share of the device's
+"""A kernel sequence whose launch takes the host more than this share of the device's
 time for it is launch-bound: the device waits on the host, and its clock is not read."""
 REFERENCE_PRODUCT_SIZE = 8192
 """The reference product is this square, in bf16: long enough per call (about 1.4 ms on
@@ -182,11 +182,13 @@ def _settled_sequence_seconds(
             while time.perf_counter() < deadline:
                 run()
                 torch.cuda.synchronize(device)
-            passes = math.ceil(SETTLED_SECONDS / alone_seconds)
-            seconds, launch_seconds = _queued_seconds(run, device, passes)
+            queued = time.perf_counter()
+            run()  # one pass onto an empty queue: the host's time to launch it
+            launch_seconds = time.perf_counter() - queued
+            seconds = _train_seconds(run, device, math.ceil(SETTLED_SECONDS / alone_seconds))
     except Exception:  # noqa: BLE001  (advisory: the reference product stands in)
         return None
-    return None if launch_seconds > LAUNCH_BOUND_SHARE * seconds else seconds / passes
+    return None if launch_seconds > LAUNCH_BOUND_SHARE * seconds else seconds
 
 
 @functools.cache
@@ -227,25 +229,15 @@ def _measured_slowdown(device: torch.device) -> float | None:
 
 def _train_seconds(run: Callable[[], object], device: torch.device, calls: int) -> float:
     """Mean seconds of ``calls`` calls of ``run`` queued back to back on ``device``."""
-    return _queued_seconds(run, device, calls)[0] / calls
-
-
-def _queued_seconds(
-    run: Callable[[], object], device: torch.device, calls: int
-) -> tuple[float, float]:
-    """Seconds the device takes for ``calls`` calls of ``run`` queued back to back, and
-    the host's seconds to queue them."""
     stream = torch.cuda.current_stream(device)
     start_event = torch.cuda.Event(enable_timing=True)
     end_event = torch.cuda.Event(enable_timing=True)
     start_event.record(stream)
-    queued = time.perf_counter()
     for _ in range(calls):
         run()
-    launch_seconds = time.perf_counter() - queued
     end_event.record(stream)
     end_event.synchronize()
-    return start_event.elapsed_time(end_event) / 1e3, launch_seconds
+    return start_event.elapsed_time(end_event) / 1e3 / calls
 
 
 @dataclasses.dataclass(frozen=True)
