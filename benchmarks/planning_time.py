@@ -8,25 +8,31 @@ timed inside the partitioner of a real compile, as the backend runs them.
     python -m benchmarks.planning_time --workload W1 --layers 8 --repeats 1
     python -m benchmarks.planning_time --layers 177 --modes auto "fraction 1"
 
-Each row gives the joint graph's nodes (what the partitioner splits) and the split's
-(forward and backward together, what the stages read): the split has more, its saved
-values being outputs of one graph and inputs of the other.
+Each repeat is a compile of its own, and the stages run on the partitioner's graphs
+themselves, as in the backend: a copy of them would leave the process more objects to
+track, and so bring Python's full garbage collections sooner. Each row gives the joint
+graph's nodes (what the partitioner splits) and the split's (forward and backward
+together, what the stages read): the split has more, its saved values being outputs of
+one graph and inputs of the other. ``full GC s``: of the total, the pauses of full
+(oldest-generation) garbage collections that landed in the stages.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import gc
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import tabulate
 import torch
 
 from benchmarks import workloads
 from offload_pass import _compat
-from offload_pass.driver import offload_chunk, rewrite_chunk
+from offload_pass.driver import rewrite_chunk
 from offload_pass.graphs import ChunkGraphs
 from offload_pass.joint import plan_jointly, search_levels
 from offload_pass.options import OffloadOptions
@@ -37,33 +43,72 @@ from offload_pass.partition import stock_splits
 class GraphSize:
     joint_nodes: int
     split_nodes: int
-    """The forward's and the backward's nodes together."""
+    """The forward's and the backward's nodes together, as the stock partitioner split them."""
 
 
-def timed_in_compile(
-    workload: workloads.Workload, layers: int, repeats: int, modes: Sequence[str] = ()
-) -> tuple[GraphSize, dict[str, list[dict[str, float]]]]:
-    """Each of ``modes``' stage times (every mode where empty), ``repeats`` runs each, on
-    the partitioned graphs of a ``layers``-deep ``workload`` stack, and the graphs' size.
-    The stages run where the backend runs them: inside the partitioner, under the
-    compile's fake mode and dispatch."""
-    found: dict[str, list[dict[str, float]]] = {}
-    sizes = []
+@dataclasses.dataclass(frozen=True)
+class TimedPass:
+    """One run of the pass in a compile. ``stage_seconds``: the plan's; ``collections``:
+    seconds of the full garbage collections among them; ``wall``: from the partition on,
+    every partition included (the stock one too, which a stock compile also makes)."""
+
+    size: GraphSize
+    moved: int
+    stage_seconds: Mapping[str, float]
+    collections: float
+    wall: float
+
+
+@contextlib.contextmanager
+def full_collections() -> Iterator[list[float]]:
+    """While open, the seconds of each full garbage collection, appended as it ends."""
+    pauses: list[float] = []
+    started = [0.0]
+
+    def record(phase: str, info: dict[str, int]) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            pauses.append(time.perf_counter() - started[0])
+
+    gc.callbacks.append(record)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(record)
+
+
+def timed_pass(
+    workload: workloads.Workload, layers: int, options: OffloadOptions, searched: bool
+) -> TimedPass:
+    """The pass in a compile of a ``layers``-deep ``workload`` stack, where the backend
+    runs it: inside the partitioner, under the compile's fake mode and dispatch, on the
+    partitioner's graphs. ``searched``: under a memory budget, the joint search over
+    recompute splits as the backend runs it; else the stock split alone."""
+    found: list[TimedPass] = []
 
     def partition(joint, joint_inputs, **kwargs):
         joint_nodes = len(joint.graph.nodes)  # before the partitioner's own passes
-        forward, backward = _compat.stock_partition(joint, joint_inputs, **kwargs)
-        chunk = ChunkGraphs(forward, backward, kwargs["num_fwd_outputs"])
-        sizes.append(GraphSize(joint_nodes, len(forward.graph.nodes) + len(backward.graph.nodes)))
-        for mode, options in MODES.items():
-            if mode in modes or not modes:
-                found[mode] = [stage_seconds(chunk, options) for _ in range(repeats)]
-        if SEARCHED in modes or not modes:
-            found[SEARCHED] = [
-                searched_seconds(joint, joint_inputs, kwargs, MODES["budget 0.7"])
-                for _ in range(repeats)
-            ]
-        return forward, backward
+        start = time.perf_counter()
+        split = stock_splits(joint, joint_inputs, **kwargs)
+        stock = split(options.recompute_budget)
+        size = GraphSize(
+            joint_nodes, len(stock.forward.graph.nodes) + len(stock.backward.graph.nodes)
+        )
+
+        def again(level: float | None) -> ChunkGraphs:
+            return stock if level == options.recompute_budget else split(level)
+
+        levels = search_levels(options, joint) if searched else ()
+        with full_collections() as pauses:
+            plan = rewrite_chunk(
+                plan_jointly(again, options, options.fraction_rule(), levels), "timed"
+            )
+        wall = time.perf_counter() - start
+        found.append(TimedPass(size, len(plan.moved), plan.stage_seconds, sum(pauses), wall))
+        return plan.forward, plan.backward
 
     def backend(gm, example_inputs):
         return _compat.compile_with_eager(gm, example_inputs, partition)
@@ -71,41 +116,8 @@ def timed_in_compile(
     model, x = workloads.build(dataclasses.replace(workload, layers=layers), "cpu")
     torch.compile(model, backend=backend)(x)
     torch.compiler.reset()
-    (size,) = sizes
-    return size, found
-
-
-def stage_seconds(chunk: ChunkGraphs, options: OffloadOptions) -> dict[str, float]:
-    """The pass's stages on a copy of ``chunk`` (the order and rewrite stages edit it)."""
-    copy = ChunkGraphs(
-        copy_module(chunk.forward), copy_module(chunk.backward), chunk.num_forward_outputs
-    )
-    plan = offload_chunk(copy, options, options.fraction_rule(), "timed")
-    return {**plan.stage_seconds, "moved": len(plan.moved)}
-
-
-def searched_seconds(
-    joint: torch.fx.GraphModule,
-    joint_inputs: Sequence[object],
-    kwargs: dict[str, object],
-    options: OffloadOptions,
-) -> dict[str, float]:
-    """The pass's stages as the backend runs them under a memory budget: the joint
-    search, partitioning the joint graph again for each split it tries; ``WALL``: all of
-    it, every partition included (the stock one too, which a stock compile also makes)."""
-    start = time.perf_counter()
-    split = stock_splits(joint, joint_inputs, **kwargs)
-    levels = search_levels(options, joint)
-    plan = rewrite_chunk(plan_jointly(split, options, options.fraction_rule(), levels), "timed")
-    return {**plan.stage_seconds, "moved": len(plan.moved), WALL: time.perf_counter() - start}
-
-
-def copy_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy of ``gm`` as the partitioner hands it to the stages: writing its code when
-    first run, not at each recompile."""
-    graph = torch.fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    return _compat.lazy_graph_module(torch.fx.GraphModule(gm, graph))
+    (timed,) = found
+    return timed
 
 
 MODES = {
@@ -115,9 +127,43 @@ MODES = {
 }
 SEARCHED = "budget 0.7, as the backend plans it"
 """The budget mode through the joint search (offload_pass.joint), which may split the
-graph again under lower recompute budgets: its ``search`` column."""
+graph again under lower recompute budgets: its ``search`` column. The plain budget row
+plans the stock split alone."""
 STAGES = ("order", "analyse", "costs", "plan", "bucket", "search", "rewrite")
+COLLECTIONS = "full GC s"
 WALL = "with partitions s"
+
+
+def timed_modes(
+    workload: workloads.Workload, layers: int, repeats: int, modes: Sequence[str]
+) -> dict[str, list[TimedPass]]:
+    """``repeats`` compiles for each of ``modes`` (every mode where empty)."""
+    every = {mode: (options, False) for mode, options in MODES.items()}
+    every[SEARCHED] = (MODES["budget 0.7"], True)
+    asked = {m: every[m] for m in every if m in modes or not modes}
+    return {
+        mode: [timed_pass(workload, layers, options, searched) for _ in range(repeats)]
+        for mode, (options, searched) in asked.items()
+    }
+
+
+def row(layers: int, mode: str, runs: Sequence[TimedPass]) -> list[object]:
+    """Medians over ``runs``; the wall time only where the search partitions again."""
+    median = {k: statistics.median(r.stage_seconds.get(k, 0.0) for r in runs) for k in STAGES}
+    collections = statistics.median(r.collections for r in runs)
+    wall = f"{statistics.median(r.wall for r in runs):.3f}" if mode == SEARCHED else ""
+    size = runs[0].size
+    return [
+        layers,
+        size.joint_nodes,
+        size.split_nodes,
+        mode,
+        runs[0].moved,
+        *(f"{median[k]:.3f}" for k in STAGES),
+        f"{sum(median.values()):.3f}",
+        f"{collections:.3f}",
+        wall,
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -129,18 +175,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--modes", nargs="+", default=[], choices=[*MODES, SEARCHED], help="default: all"
     )
     args = parser.parse_args(argv)
-    rows = []
-    headers = ["layers", "joint nodes", "split nodes", "mode", "moved", *STAGES, "total s", WALL]
+    headers = ["layers", "joint nodes", "split nodes", "mode", "moved", *STAGES]
+    headers += ["total s", COLLECTIONS, WALL]
     workload = workloads.BY_NAME[args.workload]
+    rows = []
     for layers in args.layers:
-        size, timed = timed_in_compile(workload, layers, args.repeats, args.modes)
-        for mode, runs in timed.items():
-            median = {k: statistics.median(r.get(k, 0.0) for r in runs) for k in STAGES}
-            times = [f"{median[k]:.3f}" for k in STAGES]
-            total = f"{sum(median.values()):.3f}"
-            wall = f"{statistics.median(r[WALL] for r in runs):.3f}" if WALL in runs[0] else ""
-            row = [layers, size.joint_nodes, size.split_nodes, mode, runs[0]["moved"]]
-            rows.append([*row, *times, total, wall])
+        timed = timed_modes(workload, layers, args.repeats, args.modes)
+        rows += [row(layers, mode, runs) for mode, runs in timed.items()]
         print(tabulate.tabulate(rows, headers=headers), flush=True)
         print()
 

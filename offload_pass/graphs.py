@@ -58,11 +58,13 @@ class ChunkGraphs:
 def is_view(node: torch.fx.Node) -> bool:
     """An op whose result aliases its first input: a view op, or one element of a
     multi-output view op such as ``unbind``."""
-    if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
+    target = node.target
+    if target is not operator.getitem and not _compat.is_view_op(target):
+        return False  # most nodes: decided without reading their arguments
+    args = node.args
+    if node.op != "call_function" or not args or not isinstance(args[0], torch.fx.Node):
         return False
-    if node.target is operator.getitem:
-        return is_view(node.args[0])
-    return _compat.is_view_op(node.target)
+    return target is not operator.getitem or is_view(args[0])
 
 
 def storage_root(node: torch.fx.Node) -> torch.fx.Node:
@@ -117,9 +119,17 @@ def is_fusible(node: torch.fx.Node) -> bool:
         return is_fusible(node.args[0])
     if not _compat.is_aten_op(target):
         return False
-    return (
-        not _FUSIBLE_TAGS.isdisjoint(target.tags) or target.overloadpacket in _LOWERED_AS_POINTWISE
-    )
+    fusible = _FUSIBLE_OPS.get(target)
+    if fusible is None:
+        fusible = not _FUSIBLE_TAGS.isdisjoint(target.tags) or (
+            target.overloadpacket in _LOWERED_AS_POINTWISE
+        )
+        _FUSIBLE_OPS[target] = fusible
+    return fusible
+
+
+_FUSIBLE_OPS: dict[torch._ops.OpOverload, bool] = {}
+"""Whether each op overload met so far fuses: the stages ask it of every node, often."""
 
 
 def consumers(node: torch.fx.Node) -> list[torch.fx.Node]:
