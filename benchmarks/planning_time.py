@@ -13,8 +13,9 @@ themselves, as in the backend: a copy of them would leave the process more objec
 track, and so bring Python's full garbage collections sooner. Each row gives the joint
 graph's nodes (what the partitioner splits) and the split's (forward and backward
 together, what the stages read): the split has more, its saved values being outputs of
-one graph and inputs of the other. ``full GC s``: of the total, the pauses of full
-(oldest-generation) garbage collections that landed in the stages. Each column is its own
+one graph and inputs of the other. ``full GC s``: the pauses of full (oldest-generation)
+garbage collections that landed in the pass: in its stages, so in the total, and in the
+search's partitions (its ``search`` column counts only the splits not kept). Each column is its own
 median: a collection that lands in one stage of one run is left out of that stage's, but
 not of the total's.
 """
@@ -27,7 +28,7 @@ import dataclasses
 import gc
 import statistics
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import tabulate
 import torch
@@ -82,13 +83,20 @@ def full_collections() -> Iterator[list[float]]:
         gc.callbacks.remove(record)
 
 
+LevelsFor = Callable[[OffloadOptions, torch.fx.GraphModule], Sequence[float]]
+"""The recompute budgets the joint search tries on a joint graph (``search_levels``)."""
+
+
+def stock_split_alone(options: OffloadOptions, joint: torch.fx.GraphModule) -> Sequence[float]:
+    return ()
+
+
 def timed_pass(
-    workload: workloads.Workload, layers: int, options: OffloadOptions, searched: bool
+    workload: workloads.Workload, layers: int, options: OffloadOptions, levels_for: LevelsFor
 ) -> TimedPass:
     """The pass in a compile of a ``layers``-deep ``workload`` stack, where the backend
     runs it: inside the partitioner, under the compile's fake mode and dispatch, on the
-    partitioner's graphs. ``searched``: under a memory budget, the joint search over
-    recompute splits as the backend runs it; else the stock split alone."""
+    partitioner's graphs, searching the splits ``levels_for`` gives."""
     found: list[TimedPass] = []
 
     def partition(joint, joint_inputs, **kwargs):
@@ -103,7 +111,7 @@ def timed_pass(
         def again(level: float | None) -> ChunkGraphs:
             return stock if level == options.recompute_budget else split(level)
 
-        levels = search_levels(options, joint) if searched else ()
+        levels = levels_for(options, joint)
         with full_collections() as pauses:
             plan = rewrite_chunk(
                 plan_jointly(again, options, options.fraction_rule(), levels), "timed"
@@ -141,12 +149,13 @@ def timed_modes(
     workload: workloads.Workload, layers: int, repeats: int, modes: Sequence[str]
 ) -> dict[str, list[TimedPass]]:
     """``repeats`` compiles for each of ``modes`` (every mode where empty)."""
-    every = {mode: (options, False) for mode, options in MODES.items()}
-    every[SEARCHED] = (MODES["budget 0.7"], True)
+    every: dict[str, tuple[OffloadOptions, LevelsFor]]
+    every = {mode: (options, stock_split_alone) for mode, options in MODES.items()}
+    every[SEARCHED] = (MODES["budget 0.7"], search_levels)
     asked = {m: every[m] for m in every if m in modes or not modes}
     return {
-        mode: [timed_pass(workload, layers, options, searched) for _ in range(repeats)]
-        for mode, (options, searched) in asked.items()
+        mode: [timed_pass(workload, layers, options, levels_for) for _ in range(repeats)]
+        for mode, (options, levels_for) in asked.items()
     }
 
 

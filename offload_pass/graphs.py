@@ -128,7 +128,7 @@ def is_fusible(node: torch.fx.Node) -> bool:
     return fusible
 
 
-_FUSIBLE_OPS: dict[torch._ops.OpOverload, bool] = {}
+_FUSIBLE_OPS: dict[object, bool] = {}
 """Whether each op overload met so far fuses: the stages ask it of every node, often."""
 
 

@@ -19,8 +19,8 @@ the device busy, and its clock settles lower under the power limit, by how much 
 on the power the step's own kernels draw (a wide product's more than attention's). So
 every time measured is scaled by its chunk's settled slowdown (``settled_slowdown``):
 the chunk's timed kernels queued back to back in their order, once the device has run
-them so for ``SETTLE_SECONDS``, over the sum of their times alone; kept per kernel
-sequence like the kernels' times. Where that sequence cannot run (out of memory) or the
+them so for ``SETTLE_SECONDS``, over the sum of their times alone; kept per set of
+kernels like the kernels' times. Where that sequence cannot run (out of memory) or the
 host cannot launch it as fast as the device runs it, a large reference product's
 slowdown stands in (``sustained_slowdown``).
 """
@@ -49,13 +49,19 @@ longer than the host takes to launch one op's kernels."""
 RANDOM_STATE_ARGUMENTS = frozenset({"philox_seed", "philox_offset", "rng_state"})
 """Integer arguments that seed random numbers rather than decide the work."""
 SETTLE_SECONDS = 0.5
-"""How long the reference product runs back to back before its settled time is read."""
+"""How long the reference product, or a chunk's timed kernels, run back to back before
+their settled time is read."""
 SETTLED_CALLS = 20
+"""How many reference products are timed once settled."""
 SETTLED_SECONDS = 0.25
 """How long a chunk's settled kernels are timed, after ``SETTLE_SECONDS`` of the same."""
 LAUNCH_BOUND_SHARE = 0.5
 """A kernel sequence whose launch takes the host more than this share of the device's
 time for it is launch-bound: the device waits on the host, and its clock is not read."""
+LAUNCH_PROBE_CALLS = 128
+"""How many of a sequence's calls its launch time is read from, scaled to all of them:
+few enough that their kernels fit the device's launch queue, so that the host never
+waits for the device to make room (a sequence of thousands of kernels would)."""
 REFERENCE_PRODUCT_SIZE = 8192
 """The reference product is this square, in bf16: long enough per call (about 1.4 ms on
 an H200) that the device's power draw, not the host, sets its clock."""
@@ -142,53 +148,79 @@ def _kept(device: torch.device, section: str) -> dict[str, float]:
 def settled_slowdown(nodes: Sequence[torch.fx.Node], device: torch.device) -> float:
     """How much longer the timed kernels of ``nodes`` take queued back to back in their
     order, once the device has run them so for ``SETTLE_SECONDS``, than the sum of their
-    times alone; 1 where none is timed; the reference product's slowdown where they
-    cannot run so. Kept per kernel sequence and device, for the process and on disk."""
+    times alone (below 1 where they run faster so); 1 where none is timed; the reference
+    product's slowdown where the host launches them too slowly to keep the device busy.
+    Kept per device for the process and on disk, per set of kernels with their counts:
+    another split of the same graph, or its backward in another order, draws the same
+    power. Not kept where they fail to run (out of memory), so that a later compile may."""
     calls = [c for c in map(_Call.of, nodes) if c is not None]
     alone = {c.key: _alone_seconds(c, device) for c in calls}
-    calls = [c for c in calls if alone[c.key] is not None]
+    timed = {key: seconds for key, seconds in alone.items() if seconds is not None}
+    calls = [c for c in calls if c.key in timed]
     if not calls:
         return 1.0
-    alone_seconds = sum(alone[c.key] or 0.0 for c in calls)
-    sequence = f"{SEQUENCE_SETTINGS}\n{[c.key for c in calls]}"
-    key = hashlib.sha256(sequence.encode()).hexdigest()
+    alone_seconds = sum(timed[c.key] for c in calls)
+    kernels = f"{SEQUENCE_SETTINGS}\n{sorted(c.key for c in calls)}"
+    key = hashlib.sha256(kernels.encode()).hexdigest()
     kept = _kept(device, SETTLED_SLOWDOWN)
     if key not in kept:
-        settled = _settled_sequence_seconds(calls, alone_seconds, device)
-        if settled is None:
+        slowdown = _sequence_slowdown(calls, alone_seconds, device)
+        if slowdown is None:
             return sustained_slowdown(device)
-        kept[key] = settled / alone_seconds
-        device_cache.record(device, SETTLED_SLOWDOWN, key, kept[key])
+        kept[key] = slowdown
+        device_cache.record(device, SETTLED_SLOWDOWN, key, slowdown)
     return kept[key]
 
 
-def _settled_sequence_seconds(
+def _sequence_slowdown(
     calls: Sequence[_Call], alone_seconds: float, device: torch.device
 ) -> float | None:
-    """Mean seconds of one pass of ``calls`` queued back to back after ``SETTLE_SECONDS``
-    of the same; None where they fail to run or their launches bound them."""
+    """The mean seconds of one pass of ``calls`` queued back to back after
+    ``SETTLE_SECONDS`` of the same, over ``alone_seconds``; the reference product's
+    slowdown where their launch bounds them (``launch_bound``); None where they fail to
+    run."""
     if device.type != "cuda":
         return None  # the CPU has no settled clock to read
     try:
         with _compat.outside_compile(), torch.no_grad(), torch.random.fork_rng([device]):
             inputs = {c.key: _materialize(c.signature, device) for c in calls}
 
-            def run() -> None:
-                for call in calls:
+            def run(some: Sequence[_Call] = calls) -> None:
+                for call in some:
                     args, kwargs = inputs[call.key]
                     call.target(*args, **kwargs)
 
-            deadline = time.perf_counter() + SETTLE_SECONDS
-            while time.perf_counter() < deadline:
-                run()
-                torch.cuda.synchronize(device)
-            queued = time.perf_counter()
-            run()  # one pass onto an empty queue: the host's time to launch it
-            launch_seconds = time.perf_counter() - queued
-            seconds = _train_seconds(run, device, math.ceil(SETTLED_SECONDS / alone_seconds))
+            run()  # kernels first run in this process (library heuristics, handles)
+            torch.cuda.synchronize(device)
+            probe = calls[:LAUNCH_PROBE_CALLS]
+            start = time.perf_counter()
+            run(probe)  # onto an empty queue: the host's time to launch them
+            probe_seconds = time.perf_counter() - start
+            if launch_bound(probe_seconds * len(calls) / len(probe), alone_seconds):
+                settled = None
+            else:
+                settled = _settled_pass_seconds(run, alone_seconds, device)
     except Exception:  # noqa: BLE001  (advisory: the reference product stands in)
         return None
-    return None if launch_seconds > LAUNCH_BOUND_SHARE * seconds else seconds
+    return sustained_slowdown(device) if settled is None else settled / alone_seconds
+
+
+def launch_bound(launch_seconds: float, device_seconds: float) -> bool:
+    """Whether a kernel sequence the host takes ``launch_seconds`` to launch and the
+    device ``device_seconds`` to run keeps the device waiting on the host: its clock
+    would then be read with the device partly idle, unlike in the step."""
+    return launch_seconds > LAUNCH_BOUND_SHARE * device_seconds
+
+
+def _settled_pass_seconds(
+    run: Callable[[], None], alone_seconds: float, device: torch.device
+) -> float:
+    """Mean seconds of one ``run`` queued back to back, after ``SETTLE_SECONDS`` of it."""
+    deadline = time.perf_counter() + SETTLE_SECONDS
+    while time.perf_counter() < deadline:
+        run()
+        torch.cuda.synchronize(device)
+    return _train_seconds(run, device, math.ceil(SETTLED_SECONDS / alone_seconds))
 
 
 @functools.cache

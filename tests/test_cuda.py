@@ -316,6 +316,23 @@ def test_a_chunks_kernels_settle_at_a_clock_measured_on_them(monkeypatch, tmp_pa
     assert list(device_cache.numbers(device, timing.SETTLED_SLOWDOWN).values()) == [slowdown]
 
 
+def test_kernels_too_short_to_outrun_their_launch_take_the_reference_clock_and_keep_it(
+    monkeypatch, tmp_path
+):
+    """Products of 16 x 16 finish before the host launches the next: the device idles
+    between them, so their clock is not read; the reference stands in, kept for them."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    monkeypatch.setenv(device_cache.CACHE_DIR_VARIABLE, str(tmp_path))
+    monkeypatch.setattr(timing, "_kept_by_device", {})
+    monkeypatch.setattr(timing, "sustained_slowdown", lambda device: 1.125)
+    a = torch.randn(16, 16, device="cuda")
+    graph = make_fx(lambda a: a @ a @ a @ a @ a, tracing_mode="fake")(a)
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert timing.settled_slowdown(list(graph.graph.nodes), device) == 1.125
+    assert list(device_cache.numbers(device, timing.SETTLED_SLOWDOWN).values()) == [1.125]
+
+
 def test_calibration_inside_a_compile_measures_real_tensors(monkeypatch, tmp_path):
     from offload_pass.calibration import calibrate
 

@@ -165,42 +165,53 @@ def test_the_sustained_slowdown_is_kept_for_the_next_process(new_process, monkey
 
 
 def _settled_at(slowdown: float):
-    """A stand-in for the settled sequence's time: ``slowdown`` times the time alone."""
+    """A stand-in for the settled sequence's reading: ``slowdown``, each reading's
+    kernels kept in the list returned."""
     settled = []
 
-    def seconds(calls, alone_seconds, device):
+    def read(calls, alone_seconds, device):
         settled.append([c.key for c in calls])
-        return slowdown * alone_seconds
+        return slowdown
 
-    return seconds, settled
+    return read, settled
 
 
 def test_a_chunks_settled_slowdown_is_kept_for_the_next_process(new_process, monkeypatch):
     chunk = _chunk()
     nodes = [*chunk.forward.graph.nodes, *chunk.backward.graph.nodes]
-    seconds, settled = _settled_at(1.25)
-    monkeypatch.setattr(timing, "_settled_sequence_seconds", seconds)
+    read, settled = _settled_at(1.25)
+    monkeypatch.setattr(timing, "_sequence_slowdown", read)
     assert timing.settled_slowdown(nodes, CPU) == pytest.approx(1.25)
     (products,) = settled
     assert len(products) == sum(1 for n in nodes if n.target is torch.ops.aten.mm.default)
     new_process()
-    monkeypatch.setattr(timing, "_settled_sequence_seconds", _untimeable)
+    monkeypatch.setattr(timing, "_sequence_slowdown", _untimeable)
     assert timing.settled_slowdown(nodes, CPU) == pytest.approx(1.25)
 
 
-def test_each_kernel_sequence_settles_on_its_own(new_process, monkeypatch):
-    """A chunk of other kernels draws other power: its clock is read again."""
-    seconds, settled = _settled_at(1.1)
-    monkeypatch.setattr(timing, "_settled_sequence_seconds", seconds)
+def test_each_set_of_kernels_settles_on_its_own(new_process, monkeypatch):
+    """A chunk of other kernels draws other power: its clock is read again. The same
+    kernels in another order (a backward the order stage moved) are not read again."""
+    read, settled = _settled_at(1.1)
+    monkeypatch.setattr(timing, "_sequence_slowdown", read)
     bmm = make_fx(torch.bmm, tracing_mode="fake")(torch.randn(2, 2, 3), torch.randn(2, 3, 2))
-    timing.settled_slowdown(list(_chunk().forward.graph.nodes), CPU)
+    chunk = _chunk()
+    nodes = [*chunk.forward.graph.nodes, *chunk.backward.graph.nodes]
+    timing.settled_slowdown(nodes, CPU)
     timing.settled_slowdown(list(bmm.graph.nodes), CPU)
-    timing.settled_slowdown(list(_chunk().forward.graph.nodes), CPU)  # the same sequence
+    timing.settled_slowdown(nodes[::-1], CPU)
     assert len(settled) == 2 and settled[0] != settled[1]
 
 
+def test_a_sequence_is_launch_bound_where_its_launch_outlasts_a_share_of_its_run():
+    device_seconds = 1e-3
+    share = timing.LAUNCH_BOUND_SHARE
+    assert timing.launch_bound(1.01 * share * device_seconds, device_seconds)
+    assert not timing.launch_bound(0.99 * share * device_seconds, device_seconds)
+
+
 def test_a_chunk_without_timed_kernels_runs_at_the_clock_it_is_timed_at(monkeypatch):
-    monkeypatch.setattr(timing, "_settled_sequence_seconds", _untimeable)
+    monkeypatch.setattr(timing, "_sequence_slowdown", _untimeable)
     relu = _node(_chunk().forward.graph, torch.ops.aten.relu.default)
     assert timing.settled_slowdown([relu], CPU) == 1.0
 
