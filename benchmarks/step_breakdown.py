@@ -21,7 +21,6 @@ import torch
 import offload_pass
 from benchmarks import workloads, zoo
 from offload_pass.plan import Plan
-from offload_pass.timing import settled_slowdown
 
 WARM_UP_STEPS = 2
 PRODUCT_TARGETS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward")
@@ -116,11 +115,7 @@ def breakdown(name: str, build: Callable[[], tuple[torch.nn.Module, Any]]) -> st
     rows.append(["forward", start.elapsed_time(forward_end), forward_ms])
     rows.append(["step", start.elapsed_time(end), sum(p.step_seconds for p in predictions) * 1e3])
     table = tabulate.tabulate(rows, headers=["kind", "measured ms", "predicted ms"], floatfmt=".1f")
-    device = torch.device("cuda", torch.cuda.current_device())
-    slowdowns = ", ".join(
-        f"{settled_slowdown([*p.forward.graph.nodes, *p.backward.graph.nodes], device):.3f}"
-        for p in backend.plans
-    )
+    slowdowns = ", ".join(f"{p.costs.kernel_slowdown:.3f}" for p in backend.plans)
     return (
         f"## {name}\n{table}\ntimed kernels scaled by each chunk's settled slowdown "
         f"({slowdowns}); kernels taken as other: {', '.join(other_names)}\n"

@@ -36,7 +36,7 @@ from offload_pass.graphs import (
     tensor_values,
 )
 from offload_pass.profiles import DeviceProfile
-from offload_pass.timing import NodeTimer
+from offload_pass.timing import NodeTimer, SettledTimer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +45,8 @@ class ChunkCosts:
     issues there (``forward_launches``/``backward_launches``, 0 or 1); bytes
     ``allocated`` when it runs and ``freed`` after it. ``backward_inputs``: backward's
     leading placeholders. ``forward_names``/``backward_names``: the node at each
-    position."""
+    position. ``kernel_slowdown``: what the kernels timed on the device were scaled by,
+    their chunk's settled slowdown (1 where none was timed so)."""
 
     profile: DeviceProfile
     forward_seconds: tuple[float, ...]
@@ -58,6 +59,7 @@ class ChunkCosts:
     backward_inputs: int
     forward_names: tuple[str, ...] = ()
     backward_names: tuple[str, ...] = ()
+    kernel_slowdown: float = 1.0
 
     @property
     def num_forward(self) -> int:
@@ -122,6 +124,7 @@ def estimate_costs(
         backward_inputs=sum(n.op == "placeholder" for n in backward),
         forward_names=tuple(n.name for n in forward),
         backward_names=tuple(n.name for n in backward),
+        kernel_slowdown=timer.slowdown if isinstance(timer, SettledTimer) else 1.0,
     )
 
 

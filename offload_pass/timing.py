@@ -100,9 +100,22 @@ class _Call:
         return cls(key, node.target, signature)  # type: ignore[arg-type]
 
 
+@dataclasses.dataclass(frozen=True)
+class SettledTimer:
+    """Times a chunk's nodes on ``device``, each time alone scaled by ``slowdown``, the
+    chunk's settled slowdown (``settled_slowdown``). A :data:`NodeTimer`."""
+
+    device: torch.device
+    slowdown: float
+
+    def __call__(self, node: torch.fx.Node) -> float | None:
+        seconds = measured_seconds(node, self.device)
+        return None if seconds is None else seconds * self.slowdown
+
+
 def timer_for(
     profile: DeviceProfile | str | None, device: torch.device, nodes: Sequence[torch.fx.Node]
-) -> NodeTimer | None:
+) -> SettledTimer | None:
     """The timer of the chunk of ``nodes`` on ``device`` planned with ``profile`` (the
     option): a CUDA device is timed where the profile describes the device present
     (``None`` or ``"calibrate"``), not where a named or given profile plans for another
@@ -110,13 +123,7 @@ def timer_for(
     overlap compute, so there is nothing to hide."""
     if device.type != "cuda" or profile not in (None, CALIBRATE):
         return None
-    slowdown = settled_slowdown(nodes, device)
-    return functools.partial(_settled_seconds, device=device, slowdown=slowdown)
-
-
-def _settled_seconds(node: torch.fx.Node, device: torch.device, slowdown: float) -> float | None:
-    seconds = measured_seconds(node, device)
-    return None if seconds is None else seconds * slowdown
+    return SettledTimer(device, settled_slowdown(nodes, device))
 
 
 def measured_seconds(node: torch.fx.Node, device: torch.device) -> float | None:

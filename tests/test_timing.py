@@ -226,7 +226,9 @@ def test_a_sequence_that_cannot_settle_takes_the_reference_slowdown(new_process,
 def test_timed_nodes_are_priced_at_the_settled_clock(new_process):
     mm = _node(_chunk().forward.graph, torch.ops.aten.mm.default)
     alone = timing.measured_seconds(mm, CPU)
-    assert timing._settled_seconds(mm, CPU, slowdown=1.5) == pytest.approx(1.5 * alone)
+    timer = timing.SettledTimer(CPU, slowdown=1.5)
+    assert timer(mm) == pytest.approx(1.5 * alone)
+    assert estimate_costs(_chunk(), PROFILE, timer).kernel_slowdown == 1.5
 
 
 def test_a_slowdown_that_cannot_be_measured_is_one_and_not_kept(new_process, tmp_path):
