@@ -206,7 +206,8 @@ def _sequence_slowdown(
             if launch_bound(probe_seconds * len(calls) / len(probe), alone_seconds):
                 settled = None
             else:
-                settled = _settled_pass_seconds(run, alone_seconds, device)
+                passes = math.ceil(SETTLED_SECONDS / alone_seconds)
+                settled = _settled_seconds(run, device, passes)
     except Exception:  # noqa: BLE001  (advisory: the reference product stands in)
         return None
     return sustained_slowdown(device) if settled is None else settled / alone_seconds
@@ -219,15 +220,14 @@ def launch_bound(launch_seconds: float, device_seconds: float) -> bool:
     return launch_seconds > LAUNCH_BOUND_SHARE * device_seconds
 
 
-def _settled_pass_seconds(
-    run: Callable[[], None], alone_seconds: float, device: torch.device
-) -> float:
-    """Mean seconds of one ``run`` queued back to back, after ``SETTLE_SECONDS`` of it."""
+def _settled_seconds(run: Callable[[], object], device: torch.device, calls: int) -> float:
+    """Mean seconds of ``calls`` calls of ``run`` queued back to back on ``device``, once
+    it has run so for ``SETTLE_SECONDS``."""
     deadline = time.perf_counter() + SETTLE_SECONDS
     while time.perf_counter() < deadline:
         run()
         torch.cuda.synchronize(device)
-    return _train_seconds(run, device, math.ceil(SETTLED_SECONDS / alone_seconds))
+    return _train_seconds(run, device, calls)
 
 
 @functools.cache
@@ -256,11 +256,7 @@ def _measured_slowdown(device: torch.device) -> float | None:
 
             product()
             alone = statistics.median(_elapsed(product, device) for _ in range(REPEATS))
-            deadline = time.perf_counter() + SETTLE_SECONDS
-            while time.perf_counter() < deadline:
-                product()
-                torch.cuda.synchronize(device)
-            settled = _train_seconds(product, device, SETTLED_CALLS)
+            settled = _settled_seconds(product, device, SETTLED_CALLS)
     except Exception:  # noqa: BLE001  (advisory: without it, calls are priced as timed)
         return None
     return max(1.0, settled / alone)
