@@ -230,6 +230,7 @@ COLUMNS = (
     ("status", "status", "{}"),
     ("step_ms", "step ms", "{:.1f}"),
     ("step_ratio", "ratio", "{:.3f}"),
+    ("paired_step_ratio", "ratio in turns", "{:.3f}"),
     ("peak_bytes", "peak GiB", "gib"),
     ("held_bytes", "held GiB", "gib"),
     ("bytes_moved", "moved GiB", "gib"),
@@ -253,9 +254,11 @@ def _cell(value: Any, fmt: str) -> str:
 
 
 def markdown(workload: str, rows: list[dict[str, Any]], targets: list[str]) -> str:
+    """One workload's table (the columns some row fills) and its targets' verdicts."""
+    columns = [c for c in COLUMNS if any(r.get(c[0]) is not None for r in rows)]
     table = tabulate.tabulate(
-        [[_cell(r.get(key), fmt) for key, _, fmt in COLUMNS] for r in rows],
-        headers=[header for _, header, _ in COLUMNS],
+        [[_cell(r.get(key), fmt) for key, _, fmt in columns] for r in rows],
+        headers=[header for _, header, _ in columns],
         tablefmt="github",
         disable_numparse=True,
     )

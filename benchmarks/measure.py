@@ -48,6 +48,9 @@ class Measurement:
     the median of ``HOST_STEPS`` more steps)."""
     predicted_host_ms: float | None = None
     """The plans' host time, without a step's fixed host time (guards, wrappers)."""
+    paired_step_ratio: float | None = None
+    """The step time over the baseline's, the two compiled side by side and stepped in
+    turns (:func:`paired_step_ratio`); None where not measured."""
 
     @property
     def ok(self) -> bool:
@@ -205,3 +208,36 @@ def measure(
         host_ms=None if host is None else host * 1e3,
         **_predictions(shared),
     )
+
+
+def paired_step_ratio(
+    baseline: Config, other: Config, build: Build, device: torch.device, rounds: int
+) -> float:
+    """``other``'s step time over ``baseline``'s, measured in turns: both built and
+    compiled side by side, warmed up, then ``rounds`` rounds of one step of each, in
+    alternating order; the median of the rounds' ratios.
+
+    Measured one after the other, two configurations of a host-bound model (the host
+    issues its kernels no faster than the device runs them) differ by what the host's
+    speed drifts between them: a fifth, over minutes, on one H200 machine, where the same
+    graphs differed by 23% (docs/gpu-validation.md, run 111). Steps taken in turns see
+    the same drift."""
+    torch.compiler.reset()
+    gc.collect()
+    prepared = []
+    for config in (baseline, other):
+        model, x = build()
+        prepared.append((model, config.prepare(model, {}), x))
+    for model, forward, x in prepared:  # compile, then warm up as measure() does
+        for _ in range(FIRST_TIMED_STEP + 1):
+            _run_step(forward, x, device)
+            model.zero_grad(set_to_none=True)
+    ratios = []
+    for turn in range(rounds):
+        seconds = {}
+        for i in (0, 1) if turn % 2 == 0 else (1, 0):
+            model, forward, x = prepared[i]
+            seconds[i] = _run_step(forward, x, device).seconds
+            model.zero_grad(set_to_none=True)
+        ratios.append(seconds[1] / seconds[0])
+    return statistics.median(ratios)

@@ -260,6 +260,54 @@ def test_zoo_auto_moving_bytes_for_no_predicted_saving_is_a_miss():
     assert not any("no predicted saving" in line for line in zoo.check_targets(per_block))
 
 
+def test_zoo_checks_autos_ratio_on_the_steps_taken_in_turns_where_measured():
+    from benchmarks import zoo
+
+    gib = 2**30
+    auto = _zoo_row("offload_pass auto", peak_bytes=5 * gib, step_ratio=1.2, peak_saved_bytes=gib)
+    rows = [_zoo_row("compiled", peak_bytes=6 * gib), {**auto, "paired_step_ratio": 1.01}]
+    assert "auto step ratio in turns 1.010 (target <= 1.03): met" in zoo.check_targets(rows)
+    assert "auto step ratio 1.200 (target <= 1.03): MISSED" in zoo.check_targets(rows[:1] + [auto])
+
+
+def test_a_paired_ratio_reads_the_slower_configuration_as_slower():
+    import time
+
+    import torch
+
+    from benchmarks.configs import Config
+    from benchmarks.measure import paired_step_ratio
+
+    def slowed(model, shared):
+        def forward(x):
+            time.sleep(0.02)
+            return model(x).sum()
+
+        return forward
+
+    built = []
+
+    def build():
+        built.append(torch.nn.Linear(8, 1))
+        return built[-1], torch.randn(4, 8)
+
+    plain = Config("plain", "no offload", lambda model, shared: lambda x: model(x).sum())
+    slow = Config("slow", "no offload", slowed)
+    ratio = paired_step_ratio(plain, slow, build, torch.device("cpu"), rounds=3)
+    assert len(built) == 2
+    assert ratio > 2
+    assert paired_step_ratio(slow, plain, build, torch.device("cpu"), rounds=3) < 0.5
+    assert all(m.weight.grad is None for m in built)
+
+
+def test_zoo_refuses_negative_paired_rounds(capsys):
+    from benchmarks import zoo
+
+    with pytest.raises(SystemExit):
+        zoo.main(["--models", "llama", "--paired-rounds", "-1", "--device", "cpu"])
+    assert "--paired-rounds must be 0 or more, got -1" in capsys.readouterr().err
+
+
 def test_zoo_harness_runs_a_tiny_model_on_the_cpu(tmp_path):
     import json
 
