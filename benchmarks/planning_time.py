@@ -100,6 +100,10 @@ def timed_pass(
     found: list[TimedPass] = []
 
     def partition(joint, joint_inputs, **kwargs):
+        with _compat.full_collections_deferred():  # as OffloadPartitioner defers them
+            return timed_partition(joint, joint_inputs, **kwargs)
+
+    def timed_partition(joint, joint_inputs, **kwargs):
         joint_nodes = len(joint.graph.nodes)  # before the partitioner's own passes
         start = time.perf_counter()
         split = stock_splits(joint, joint_inputs, **kwargs)

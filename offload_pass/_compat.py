@@ -7,8 +7,11 @@ tests/test_compat.py.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import gc
 import re
+import threading
 import types
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -86,6 +89,60 @@ def saved_by_partitioner(joint: torch.fx.GraphModule, names: frozenset[str]) -> 
         copies = [n for n in joint.graph.nodes if n.name in marked_names]
         for node in (*marked, *copies):
             node.meta.pop("recompute", None)
+
+
+GEN2_THRESHOLD_WHILE_COMPILING = 1000
+"""The oldest generation's collection threshold while the pass runs, on a torch whose
+Dynamo does not set one: the default of torch 2.15's
+``torch._dynamo.config.gc_gen2_threshold_during_compile``."""
+
+
+@dataclasses.dataclass
+class _Gen2Deferral:
+    """Nested uses of ``_gen2_threshold_raised`` open now, and the thresholds before the
+    outermost (the threshold is process-wide, so the count is too)."""
+
+    depth: int = 0
+    saved: tuple[int, int, int] = (0, 0, 0)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
+_gen2_deferral = _Gen2Deferral()
+
+
+def full_collections_deferred() -> contextlib.AbstractContextManager[None]:
+    """Python's full (oldest-generation) garbage collections deferred while open.
+
+    A full collection walks every tracked object, and a compile of a deep model holds
+    over a million (FX nodes, fake tensors, sympy expressions): each one pauses the pass
+    for about a second at 20,000 joint-graph nodes, and the pass makes enough objects to
+    trigger one. From torch 2.15, Dynamo defers them for the whole compile
+    (``torch._dynamo.utils.deferred_full_gc``, reentrant), and this is that; before, the
+    pass defers them over its own part of the compile in the same way. Younger
+    generations keep collecting; the deferred full collection follows after."""
+    deferred = getattr(torch._dynamo.utils, "deferred_full_gc", None)
+    return deferred() if deferred is not None else _gen2_threshold_raised()
+
+
+@contextlib.contextmanager
+def _gen2_threshold_raised() -> Iterator[None]:
+    """``GEN2_THRESHOLD_WHILE_COMPILING`` as the oldest generation's threshold while
+    open (never lowering a higher one), restored when the outermost of nested uses
+    closes."""
+    deferral = _gen2_deferral
+    with deferral.lock:
+        if deferral.depth == 0:
+            deferral.saved = gc.get_threshold()
+            young, middle, oldest = deferral.saved
+            gc.set_threshold(young, middle, max(oldest, GEN2_THRESHOLD_WHILE_COMPILING))
+        deferral.depth += 1
+    try:
+        yield
+    finally:
+        with deferral.lock:
+            deferral.depth -= 1
+            if deferral.depth == 0:
+                gc.set_threshold(*deferral.saved)
 
 
 def realize_reads_threshold() -> int:

@@ -63,9 +63,12 @@ class OffloadPartitioner(_compat.PartitionerBase):
     def __call__(
         self, joint: torch.fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
     ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
-        levels = search_levels(self.options, joint)
-        partition = stock_splits(joint, joint_inputs, **kwargs)
-        plan = rewrite_chunk(plan_jointly(partition, self.options, self.rule, levels), self.name)
+        with _compat.full_collections_deferred():
+            levels = search_levels(self.options, joint)
+            partition = stock_splits(joint, joint_inputs, **kwargs)
+            plan = rewrite_chunk(
+                plan_jointly(partition, self.options, self.rule, levels), self.name
+            )
         dump.record(plan, dump.dump_dir(self.options.dump_dir))
         self.on_plan(plan)
         return plan.forward, plan.backward

@@ -508,3 +508,61 @@ def test_an_op_is_lowered_with_aligned_outputs_once():
     _compat.lower_with_aligned_outputs(ops.RELOAD_WAIT)
     assert lowering.lowerings[ops.RELOAD_WAIT] is lowered
     assert ops.RELOAD_WAIT in lowering.needs_realized_inputs  # as Inductor's own fallback
+
+
+def test_full_collections_are_deferred_by_dynamos_own_deferral_where_torch_has_one(monkeypatch):
+    import contextlib
+
+    entered = []
+
+    @contextlib.contextmanager
+    def deferred_full_gc():
+        entered.append(True)
+        yield
+
+    monkeypatch.setattr(torch._dynamo.utils, "deferred_full_gc", deferred_full_gc, raising=False)
+    with _compat.full_collections_deferred():
+        assert entered == [True]
+
+
+def test_full_collections_are_deferred_by_the_pass_on_a_torch_without_dynamos(monkeypatch):
+    import gc
+
+    monkeypatch.delattr(torch._dynamo.utils, "deferred_full_gc", raising=False)
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(before[0], before[1], 10)
+        with _compat.full_collections_deferred():
+            assert gc.get_threshold()[2] == _compat.GEN2_THRESHOLD_WHILE_COMPILING
+            with _compat.full_collections_deferred():
+                pass
+            assert gc.get_threshold()[2] == _compat.GEN2_THRESHOLD_WHILE_COMPILING
+        assert gc.get_threshold()[2] == 10
+        gc.set_threshold(before[0], before[1], 5000)  # a caller's higher threshold is kept
+        with _compat.full_collections_deferred():
+            assert gc.get_threshold()[2] == 5000
+        assert gc.get_threshold()[2] == 5000
+    finally:
+        gc.set_threshold(*before)
+
+
+def test_the_pass_runs_with_full_collections_deferred(monkeypatch):
+    import gc
+
+    import offload_pass
+    from offload_pass import partition
+
+    seen = []
+    plan_jointly = partition.plan_jointly
+
+    def recording(*args, **kwargs):
+        seen.append(gc.get_threshold()[2])
+        return plan_jointly(*args, **kwargs)
+
+    monkeypatch.setattr(partition, "plan_jointly", recording)
+    threshold = gc.get_threshold()
+    model, x = models.MLP(), torch.randn(4, 64, requires_grad=True)
+    torch.compile(model, backend=offload_pass.backend(fraction=1.0, compiler="eager"))(x)
+    torch.compiler.reset()
+    assert seen and all(t >= _compat.GEN2_THRESHOLD_WHILE_COMPILING for t in seen)
+    assert gc.get_threshold() == threshold
