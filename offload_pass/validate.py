@@ -3,6 +3,7 @@ step time and the peak memory, predicted and measured side by side."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable, Sequence
 
@@ -23,6 +24,45 @@ class CopyTiming:
 
 
 @dataclasses.dataclass(frozen=True)
+class KernelSpan:
+    """One kernel the profile shows on the device: when it ran (seconds), its name and its
+    stream."""
+
+    start: float
+    end: float
+    name: str
+    stream: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Gap:
+    """A stretch where the compute stream ran nothing, and the kernel that ended it."""
+
+    seconds: float
+    next_kernel: str
+
+
+def compute_gaps(kernels: Sequence[KernelSpan]) -> list[Gap]:
+    """Where the compute stream (the stream that ran the most kernels) sat idle between its
+    first kernel and its last, longest first: waiting for a copy, or for the host to
+    issue the next kernel."""
+    if not kernels:
+        return []
+    streams = collections.Counter(k.stream for k in kernels)
+    ((stream, _),) = streams.most_common(1)
+    compute = sorted((k for k in kernels if k.stream == stream), key=lambda k: k.start)
+    gaps, busy_until = [], compute[0].end
+    for kernel in compute[1:]:
+        if kernel.start > busy_until:
+            gaps.append(Gap(kernel.start - busy_until, kernel.name))
+        busy_until = max(busy_until, kernel.end)
+    return sorted(gaps, key=lambda g: -g.seconds)
+
+
+LONGEST_GAPS = 5
+
+
+@dataclasses.dataclass(frozen=True)
 class Comparison:
     copies: tuple[CopyTiming, ...]
     predicted_step_seconds: float
@@ -31,6 +71,9 @@ class Comparison:
     predicted_peak_bytes: int
     measured_peak_bytes: int
     unmatched_copies: int
+    predicted_host_wait_seconds: float = 0.0
+    gaps: tuple[Gap, ...] = ()
+    """The compute stream's idle stretches in the profiled step, longest first."""
 
     def __str__(self) -> str:
         rows = [
@@ -54,7 +97,15 @@ class Comparison:
             f"{format_seconds(self.measured_step_seconds)}\n"
             f"peak: predicted {format_bytes(self.predicted_peak_bytes)}, measured "
             f"{format_bytes(self.measured_peak_bytes)}\n"
-            f"copies the profile shows beyond the plan's: {self.unmatched_copies}\n{table}"
+            f"compute idle: measured {format_seconds(sum(g.seconds for g in self.gaps))} "
+            f"in {len(self.gaps)} gaps; predicted waits for copies "
+            f"{format_seconds(self.predicted_stall_seconds)}, for the host "
+            f"{format_seconds(self.predicted_host_wait_seconds)}\n"
+            + "".join(
+                f"  {format_seconds(g.seconds)} before {g.next_kernel[:80]}\n"
+                for g in self.gaps[:LONGEST_GAPS]
+            )
+            + f"copies the profile shows beyond the plan's: {self.unmatched_copies}\n{table}"
         )
 
 
@@ -67,6 +118,16 @@ def _memcpy_seconds(profile: torch.profiler.profile, kind: str) -> list[float]:
     ]
     events.sort(key=lambda e: e.time_range.start)
     return [e.time_range.elapsed_us() / 1e6 for e in events]
+
+
+def _kernels(profile: torch.profiler.profile) -> list[KernelSpan]:
+    """The device's kernels in a profile (not its copies or memsets)."""
+    return [
+        KernelSpan(e.time_range.start / 1e6, e.time_range.end / 1e6, e.name, e.device_resource_id)
+        for e in profile.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+        and not e.name.startswith(("Memcpy", "Memset"))
+    ]
 
 
 def _timings(
@@ -128,4 +189,6 @@ def compare_with_profile(step: Callable[[], object], plans: Sequence[Plan]) -> C
         predicted_peak_bytes=max(p.prediction.peak_bytes for p in plans),
         measured_peak_bytes=torch.cuda.max_memory_allocated(),
         unmatched_copies=max(0, len(offloads) - planned) + max(0, len(reloads) - planned),
+        predicted_host_wait_seconds=sum(p.prediction.host_wait_seconds for p in plans),
+        gaps=tuple(compute_gaps(_kernels(profile))),
     )

@@ -224,3 +224,52 @@ def test_compare_with_profile_names_missing_plans_before_running_the_step():
     with pytest.raises(ValueError, match="no plans to compare"):
         compare_with_profile(lambda: ran.append(1), [])
     assert not ran
+
+
+def test_compute_gaps_are_the_compute_streams_idle_stretches_longest_first():
+    from offload_pass.validate import Gap, KernelSpan, compute_gaps
+
+    kernels = [
+        KernelSpan(0.0, 1.0, "a", stream=7),
+        KernelSpan(0.5, 3.0, "copy layout", stream=9),  # another stream: not compute
+        KernelSpan(1.5, 2.0, "b", stream=7),
+        KernelSpan(1.8, 4.0, "c", stream=7),  # overlaps b: no gap
+        KernelSpan(7.0, 8.0, "d", stream=7),
+    ]
+    assert compute_gaps(kernels) == [Gap(3.0, "d"), Gap(0.5, "b")]
+    assert compute_gaps([]) == []
+
+
+def test_a_profiles_kernels_are_read_without_its_copies():
+    import types
+
+    import torch
+
+    from offload_pass.validate import KernelSpan, _kernels
+
+    def event(name, start_us, end_us, device_type=torch.autograd.DeviceType.CUDA, stream=7):
+        span = types.SimpleNamespace(start=start_us, end=end_us)
+        return types.SimpleNamespace(
+            name=name, time_range=span, device_type=device_type, device_resource_id=stream
+        )
+
+    profile = types.SimpleNamespace(
+        events=lambda: [
+            event("triton_poi_fused_0", 10, 30),
+            event("Memcpy DtoH (Device -> Pinned)", 30, 90, stream=9),
+            event("Memset (Device)", 90, 91),
+            event("aten::mm", 0, 40, device_type=torch.autograd.DeviceType.CPU),
+        ]
+    )
+    assert _kernels(profile) == [KernelSpan(10e-6, 30e-6, "triton_poi_fused_0", 7)]
+
+
+def test_a_comparison_says_how_long_compute_sat_idle_and_before_what():
+    from offload_pass.validate import Comparison, Gap
+
+    gaps = tuple(Gap(1e-3 / (i + 1), f"kernel_{i}") for i in range(7))
+    text = str(Comparison((), 0.03, 0.031, 2e-4, 2**30, 2**30, 0, 5e-4, gaps))
+    assert "compute idle: measured 2.59 ms in 7 gaps" in text
+    assert "predicted waits for copies 200.0 us, for the host 500.0 us" in text
+    assert "1.00 ms before kernel_0" in text
+    assert "before kernel_4" in text and "before kernel_5" not in text
