@@ -4,6 +4,8 @@ AOTAutograd call a partitioner."""
 
 from __future__ import annotations
 
+import gc
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,7 +29,11 @@ def stock_splits(
     backward (:mod:`offload_pass.realized`), the partitioner splits again, told to save
     them."""
 
+    splits_made = itertools.count()
+
     def stock(recompute_budget: float | None) -> ChunkGraphs:
+        if next(splits_made):
+            gc.collect()  # what the splits before left behind (OffloadPartitioner.__call__)
         forward, backward = map(
             _compat.lazy_graph_module,
             _compat.stock_partition(joint, joint_inputs, recompute_budget, **kwargs),
@@ -63,6 +69,9 @@ class OffloadPartitioner(_compat.PartitionerBase):
     def __call__(
         self, joint: torch.fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
     ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+        # A deep model's compile holds over a million objects, and each full collection
+        # walks them all: deferred while the pass runs, and made once before each split
+        # after the first, when the splits before (cyclic FX graphs) are garbage.
         with _compat.full_collections_deferred():
             levels = search_levels(self.options, joint)
             partition = stock_splits(joint, joint_inputs, **kwargs)

@@ -146,3 +146,26 @@ def test_steps_split_again_equal_the_model_without_offloading():
     for name, grad in want[1].items():
         torch.testing.assert_close(got[1][f"_orig_mod.{name}"], grad, msg=name)
     torch.testing.assert_close(got[2], want[2])
+
+
+def test_each_split_after_the_first_collects_what_the_splits_before_left(monkeypatch):
+    """Full collections are deferred while the pass runs; the search's discarded splits
+    are cyclic garbage that only a full collection frees, so one is made before each
+    further split, and none before the first."""
+    from offload_pass import partition
+
+    graphs = _chain_graphs()
+    events = []
+    monkeypatch.setattr(partition.gc, "collect", lambda *args: events.append("collect"))
+
+    def stock_partition(joint, joint_inputs, budget, **kwargs):
+        events.append(f"split {budget}")
+        return graphs.forward, graphs.backward
+
+    monkeypatch.setattr(_compat, "stock_partition", stock_partition)
+    monkeypatch.setattr(partition, "held_recomputations", lambda *args: frozenset())
+    split = stock_splits(None, [], num_fwd_outputs=graphs.num_forward_outputs)
+    split(None)
+    split(0.6)
+    split(0.4)
+    assert events == ["split None", "collect", "split 0.6", "collect", "split 0.4"]
