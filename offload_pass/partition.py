@@ -29,18 +29,18 @@ def stock_splits(
     backward (:mod:`offload_pass.realized`), the partitioner splits again, told to save
     them."""
 
-    splits_made = itertools.count()
-
     def stock(recompute_budget: float | None) -> ChunkGraphs:
-        if next(splits_made):
-            gc.collect()  # what the splits before left behind (OffloadPartitioner.__call__)
         forward, backward = map(
             _compat.lazy_graph_module,
             _compat.stock_partition(joint, joint_inputs, recompute_budget, **kwargs),
         )
         return ChunkGraphs(forward, backward, kwargs["num_fwd_outputs"])
 
+    levels_split = itertools.count()
+
     def split(recompute_budget: float | None) -> ChunkGraphs:
+        if next(levels_split):
+            gc.collect()  # what the levels before left behind (OffloadPartitioner.__call__)
         graphs = stock(recompute_budget)
         held = held_recomputations(graphs, _compat.realize_reads_threshold())
         if not held:
@@ -70,8 +70,9 @@ class OffloadPartitioner(_compat.PartitionerBase):
         self, joint: torch.fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
     ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
         # A deep model's compile holds over a million objects, and each full collection
-        # walks them all: deferred while the pass runs, and made once before each split
-        # after the first, when the splits before (cyclic FX graphs) are garbage.
+        # walks them all: deferred while the pass runs, and made once before each level a
+        # budget's search splits after the first, when the splits it dropped (cyclic FX
+        # graphs) are garbage.
         with _compat.full_collections_deferred():
             levels = search_levels(self.options, joint)
             partition = stock_splits(joint, joint_inputs, **kwargs)

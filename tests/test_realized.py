@@ -4,6 +4,8 @@ backward's start and hold there, is split again with that stream saved
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.fx
 
@@ -148,10 +150,11 @@ def test_steps_split_again_equal_the_model_without_offloading():
     torch.testing.assert_close(got[2], want[2])
 
 
-def test_each_split_after_the_first_collects_what_the_splits_before_left(monkeypatch):
-    """Full collections are deferred while the pass runs; the search's discarded splits
-    are cyclic garbage that only a full collection frees, so one is made before each
-    further split, and none before the first."""
+def test_each_level_split_after_the_first_collects_what_the_levels_before_left(monkeypatch):
+    """Full collections are deferred while the pass runs; the splits a budget's search
+    drops are cyclic garbage that only a full collection frees, so one is made before
+    each level after the first, and none before the first or within a level (where a
+    split is made again with Inductor's held values saved)."""
     from offload_pass import partition
 
     graphs = _chain_graphs()
@@ -163,9 +166,11 @@ def test_each_split_after_the_first_collects_what_the_splits_before_left(monkeyp
         return graphs.forward, graphs.backward
 
     monkeypatch.setattr(_compat, "stock_partition", stock_partition)
-    monkeypatch.setattr(partition, "held_recomputations", lambda *args: frozenset())
+    monkeypatch.setattr(
+        _compat, "saved_by_partitioner", lambda joint, held: contextlib.nullcontext()
+    )
+    monkeypatch.setattr(partition, "held_recomputations", lambda *args: frozenset({"r4"}))
     split = stock_splits(None, [], num_fwd_outputs=graphs.num_forward_outputs)
     split(None)
     split(0.6)
-    split(0.4)
-    assert events == ["split None", "collect", "split 0.6", "collect", "split 0.4"]
+    assert events == ["split None", "split None", "collect", "split 0.6", "split 0.6"]
