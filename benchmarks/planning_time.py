@@ -8,16 +8,16 @@ timed inside the partitioner of a real compile, as the backend runs them.
     python -m benchmarks.planning_time --workload W1 --layers 8 --repeats 1
     python -m benchmarks.planning_time --layers 177 --modes auto "fraction 1"
 
-Each repeat is a compile of its own, and the stages run on the partitioner's graphs
-themselves, as in the backend: a copy of them would leave the process more objects to
+Each repeat is a compile of its own, through the backend's own partitioner
+(``OffloadPartitioner``): a copy of the graphs would leave the process more objects to
 track, and so bring Python's full garbage collections sooner. Each row gives the joint
-graph's nodes (what the partitioner splits) and the split's (forward and backward
+graph's nodes (what the partitioner splits) and the kept split's (forward and backward
 together, what the stages read): the split has more, its saved values being outputs of
 one graph and inputs of the other. ``full GC s``: the pauses of full (oldest-generation)
-garbage collections that landed in the pass: in its stages, so in the total, and in the
-search's partitions (its ``search`` column counts only the splits not kept). Each column is its own
-median: a collection that lands in one stage of one run is left out of that stage's, but
-not of the total's.
+garbage collections that landed in the partitioner: in its stages, so in the total, and
+in its partitions (the ``search`` column counts only the splits not kept). Each column
+is its own median: a collection that lands in one stage of one run is left out of that
+stage's, but not of the total's.
 """
 
 from __future__ import annotations
@@ -28,32 +28,31 @@ import dataclasses
 import gc
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import tabulate
 import torch
 
 from benchmarks import workloads
 from offload_pass import _compat
-from offload_pass.driver import rewrite_chunk
-from offload_pass.graphs import ChunkGraphs
-from offload_pass.joint import plan_jointly, search_levels
 from offload_pass.options import OffloadOptions
-from offload_pass.partition import stock_splits
+from offload_pass.partition import OffloadPartitioner
+from offload_pass.plan import Plan
 
 
 @dataclasses.dataclass(frozen=True)
 class GraphSize:
     joint_nodes: int
     split_nodes: int
-    """The forward's and the backward's nodes together, as the stock partitioner split them."""
+    """The forward's and the backward's nodes together, in the split the plan kept."""
 
 
 @dataclasses.dataclass(frozen=True)
 class TimedPass:
     """One run of the pass in a compile. ``stage_seconds``: the plan's; ``collections``:
-    seconds of the full garbage collections among them; ``wall``: from the partition on,
-    every partition included (the stock one too, which a stock compile also makes)."""
+    seconds of the full garbage collections in the partitioner; ``wall``: the
+    partitioner's, every partition included (the stock one too, which a stock compile
+    also makes)."""
 
     size: GraphSize
     moved: int
@@ -83,46 +82,24 @@ def full_collections() -> Iterator[list[float]]:
         gc.callbacks.remove(record)
 
 
-LevelsFor = Callable[[OffloadOptions, torch.fx.GraphModule], Sequence[float]]
-"""The recompute budgets the joint search tries on a joint graph (``search_levels``)."""
-
-
-def stock_split_alone(options: OffloadOptions, joint: torch.fx.GraphModule) -> Sequence[float]:
-    return ()
-
-
-def timed_pass(
-    workload: workloads.Workload, layers: int, options: OffloadOptions, levels_for: LevelsFor
-) -> TimedPass:
-    """The pass in a compile of a ``layers``-deep ``workload`` stack, where the backend
-    runs it: inside the partitioner, under the compile's fake mode and dispatch, on the
-    partitioner's graphs, searching the splits ``levels_for`` gives."""
+def timed_pass(workload: workloads.Workload, layers: int, options: OffloadOptions) -> TimedPass:
+    """The pass in a compile of a ``layers``-deep ``workload`` stack: the backend's own
+    partitioner (``OffloadPartitioner``), under the compile's fake mode and dispatch."""
     found: list[TimedPass] = []
+    plans: list[Plan] = []
+    partitioner = OffloadPartitioner(options, options.fraction_rule(), "timed", plans.append)
 
     def partition(joint, joint_inputs, **kwargs):
-        with _compat.full_collections_deferred():  # as OffloadPartitioner defers them
-            return timed_partition(joint, joint_inputs, **kwargs)
-
-    def timed_partition(joint, joint_inputs, **kwargs):
         joint_nodes = len(joint.graph.nodes)  # before the partitioner's own passes
         start = time.perf_counter()
-        split = stock_splits(joint, joint_inputs, **kwargs)
-        stock = split(options.recompute_budget)
-        size = GraphSize(
-            joint_nodes, len(stock.forward.graph.nodes) + len(stock.backward.graph.nodes)
-        )
-
-        def again(level: float | None) -> ChunkGraphs:
-            return stock if level == options.recompute_budget else split(level)
-
-        levels = levels_for(options, joint)
         with full_collections() as pauses:
-            plan = rewrite_chunk(
-                plan_jointly(again, options, options.fraction_rule(), levels), "timed"
-            )
+            graphs = partitioner(joint, joint_inputs, **kwargs)
         wall = time.perf_counter() - start
+        (plan,) = plans
+        split_nodes = len(plan.costs.forward_names) + len(plan.costs.backward_names)
+        size = GraphSize(joint_nodes, split_nodes)
         found.append(TimedPass(size, len(plan.moved), plan.stage_seconds, sum(pauses), wall))
-        return plan.forward, plan.backward
+        return graphs
 
     def backend(gm, example_inputs):
         return _compat.compile_with_eager(gm, example_inputs, partition)
@@ -135,15 +112,18 @@ def timed_pass(
     return timed
 
 
+SEARCHED = "budget 0.7, as the backend plans it"
 MODES = {
     "auto": OffloadOptions(min_bytes=0, profile="h200"),
     "fraction 1": OffloadOptions(fraction=1.0, min_bytes=0, profile="h200"),
-    "budget 0.7": OffloadOptions(memory_budget=0.7, min_bytes=0, profile="h200"),
+    "budget 0.7": OffloadOptions(
+        memory_budget=0.7, recompute_budget=1.0, min_bytes=0, profile="h200"
+    ),
+    SEARCHED: OffloadOptions(memory_budget=0.7, min_bytes=0, profile="h200"),
 }
-SEARCHED = "budget 0.7, as the backend plans it"
-"""The budget mode through the joint search (offload_pass.joint), which may split the
-graph again under lower recompute budgets: its ``search`` column. The plain budget row
-plans the stock split alone."""
+"""The plain budget row fixes the stock split (``recompute_budget=1.0``, torch's own
+setting); the searched one lets the joint search (offload_pass.joint) split the graph
+again under lower recompute budgets: its ``search`` column."""
 STAGES = ("order", "analyse", "costs", "plan", "bucket", "search", "rewrite")
 COLLECTIONS = "full GC s"
 WALL = "with partitions s"
@@ -153,13 +133,9 @@ def timed_modes(
     workload: workloads.Workload, layers: int, repeats: int, modes: Sequence[str]
 ) -> dict[str, list[TimedPass]]:
     """``repeats`` compiles for each of ``modes`` (every mode where empty)."""
-    every: dict[str, tuple[OffloadOptions, LevelsFor]]
-    every = {mode: (options, stock_split_alone) for mode, options in MODES.items()}
-    every[SEARCHED] = (MODES["budget 0.7"], search_levels)
-    asked = {m: every[m] for m in every if m in modes or not modes}
+    asked = [mode for mode in MODES if mode in modes or not modes]
     return {
-        mode: [timed_pass(workload, layers, options, levels_for) for _ in range(repeats)]
-        for mode, (options, levels_for) in asked.items()
+        mode: [timed_pass(workload, layers, MODES[mode]) for _ in range(repeats)] for mode in asked
     }
 
 
@@ -189,9 +165,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--workload", default="tiny", choices=sorted(workloads.BY_NAME))
     parser.add_argument("--layers", type=int, nargs="+", default=[8, 32, 128])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument(
-        "--modes", nargs="+", default=[], choices=[*MODES, SEARCHED], help="default: all"
-    )
+    parser.add_argument("--modes", nargs="+", default=[], choices=list(MODES), help="default: all")
     args = parser.parse_args(argv)
     headers = ["layers", "joint nodes", "split nodes", "mode", "moved", *STAGES]
     headers += ["total s", COLLECTIONS, WALL]

@@ -455,7 +455,7 @@ def test_planning_time_counts_a_full_collection_in_a_stage(monkeypatch):
     bucket_transfers = driver.bucket_transfers
     monkeypatch.setattr(driver, "bucket_transfers", collecting)
     options = planning_time.MODES["fraction 1"]
-    timed = planning_time.timed_pass(workloads.TINY, 2, options, planning_time.stock_split_alone)
+    timed = planning_time.timed_pass(workloads.TINY, 2, options)
     assert 0 < timed.collections <= sum(timed.stage_seconds.values())
 
 
