@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
+import math
 from collections.abc import Callable, Sequence
 
 from offload_pass.costs import ChunkCosts
@@ -75,6 +77,10 @@ def _forward_runs(
     copies = {c.root: c for c in planned.prediction.copies}
     starts = planned.prediction.forward_starts
     ends = [s + d for s, d in zip(starts, costs.forward_seconds, strict=True)]
+    queue = sorted(copies.values(), key=lambda c: c.offload_start)
+    next_start = {
+        c.root: later.offload_start for c, later in itertools.pairwise(queue)
+    }
     known: dict[str, _RunTotals] = {}
 
     def totals(run: list[Transfer]) -> _RunTotals:
@@ -91,14 +97,18 @@ def _forward_runs(
 
     def joins(run: list[Transfer], t: Transfer) -> bool:
         """Whether the run's copies, issued together after ``t`` is made, still end
-        (priced as the planner places waits) before the run's last wait. Where copies
-        cannot overlap compute, each costs the same wherever it is issued."""
+        (priced as the planner places waits) before the run's last wait, and before the
+        queue was to start the copy after ``t``'s: where the queue is never idle, a run
+        that starts its copies later delays every copy after it. Where copies cannot
+        overlap compute, each costs the same wherever it is issued."""
         if not costs.profile.copies_overlap_compute:
             return True
         run_totals = totals(run)
         start = max(ends[t.offload_at], min(run_totals.first_start, copies[t.root].offload_start))
         seconds = run_totals.seconds + costs.offload_seconds(t.nbytes)
-        return start + OFFLOAD_MARGIN * seconds <= ends[max(run_totals.last_wait, t.wait_at)]
+        in_time = start + OFFLOAD_MARGIN * seconds <= ends[max(run_totals.last_wait, t.wait_at)]
+        queue_free = start + seconds <= next_start.get(t.root, math.inf) * (1 + 1e-9)
+        return in_time and queue_free
 
     def holds(run: list[Transfer], t: Transfer) -> list[Hold]:
         """Every member of the run, each held to the run's last wait already, now held to

@@ -57,6 +57,27 @@ def test_a_copy_that_would_end_late_in_a_bucket_keeps_its_own_op():
     assert bucketed.prediction.step_seconds == planned.prediction.step_seconds
 
 
+def test_a_bucket_on_a_busy_queue_delays_no_copy_after_it():
+    # The device-to-host queue is busy from a0's copy to a3's, each copy starting where
+    # the one before ends. A run issued after its last member is made may start its
+    # copies later than planned only where the queue would otherwise sit idle: it must
+    # end before the next copy's planned start. Here a2 and a3 share an op (nothing is
+    # queued after them); a1 and a2 may not, which would delay a3's copy by 0.5 ms.
+    groups = [group(i, int(mb * MB)) for i, mb in enumerate([1.5, 1.2, 1.5, 1.0])]
+    planned = plan(groups, share=1.0)
+    bucketed = bucket_transfers(planned, chunk(groups), stall_tolerance=0.0)
+    assert {root: p[0] for root, p in _positions(bucketed).items()} == {
+        "a0": 0,
+        "a1": 1,
+        "a2": 3,
+        "a3": 3,
+    }
+    planned_start = {c.root: c.offload_start for c in planned.prediction.copies}
+    for copy in bucketed.prediction.copies:
+        if copy.root in ("a0", "a1"):
+            assert copy.offload_start == pytest.approx(planned_start[copy.root])
+
+
 def test_a_storage_held_longer_must_leave_the_peak_where_it_is():
     # Only the moved storages are ever on the device, two at most at once: holding a0
     # until a1's wait would put three there, and so for each pair up to a5's wait. a6
