@@ -78,9 +78,7 @@ def _forward_runs(
     starts = planned.prediction.forward_starts
     ends = [s + d for s, d in zip(starts, costs.forward_seconds, strict=True)]
     queue = sorted(copies.values(), key=lambda c: c.offload_start)
-    next_start = {
-        c.root: later.offload_start for c, later in itertools.pairwise(queue)
-    }
+    next_start = {c.root: later.offload_start for c, later in itertools.pairwise(queue)}
     known: dict[str, _RunTotals] = {}
 
     def totals(run: list[Transfer]) -> _RunTotals:
