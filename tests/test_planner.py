@@ -260,7 +260,7 @@ def test_holds_fit_only_where_their_sum_stays_under_the_top():
     memory = MemoryTimeline(costs, plan(groups, share=1.0).transfers)
     live = memory.live.to_list()
     low = min(range(len(live)), key=live.__getitem__)
-    room = memory.top - live[low]
+    room = memory.pass_top(low) - live[low]
     assert room > 1
     both = [(low, low + 1, room // 2 + 1), (low, low + 1, room // 2 + 1)]
     assert not memory.hold_if_fits(both)
@@ -269,6 +269,33 @@ def test_holds_fit_only_where_their_sum_stays_under_the_top():
     after = memory.live.to_list()
     assert after[low] == live[low] + 2 * (room // 2)
     assert after[:low] + after[low + 1 :] == live[:low] + live[low + 1 :]
+    assert memory.top == max(live)
+
+
+def test_a_hold_in_forward_fits_under_forward_top_not_the_step_top():
+    """Backward's peak (the step's) is higher than forward's: a forward hold that would
+    raise forward's top is refused even where it stays under backward's, and a
+    backward hold up to backward's top fits."""
+    groups = [group(0, 4 * MB), group(1, 3 * MB), group(4, 2 * MB), group(8, MB)]
+    costs = chunk(groups)
+    transient = costs.num_forward + 1  # backward's first node holds 5 MB more while it runs
+    allocated, freed = list(costs.allocated), list(costs.freed)
+    allocated[transient] += 5 * MB
+    freed[transient] += 5 * MB
+    costs = dataclasses.replace(costs, allocated=tuple(allocated), freed=tuple(freed))
+    memory = MemoryTimeline(costs, ())
+    live = memory.live.to_list()
+    forward_top, backward_top = memory.pass_top(0), memory.pass_top(transient)
+    assert forward_top == max(live[: costs.num_forward]) < backward_top == memory.top
+    low = min(range(costs.num_forward), key=live.__getitem__)
+    over_forward = forward_top - live[low] + 1
+    assert live[low] + over_forward <= backward_top
+    assert not memory.hold_if_fits([(low, low + 1, over_forward)])
+    assert memory.hold_if_fits([(low, low + 1, over_forward - 1)])
+    backward_low = len(live) - 1
+    room = backward_top - live[backward_low]
+    assert room > forward_top - live[backward_low]
+    assert memory.hold_if_fits([(backward_low, backward_low + 1, room)])
     assert memory.top == max(live)
 
 
