@@ -9,7 +9,9 @@ would; what changes is when each copy starts and how long each storage is held.
 - Forward: a run of storages in production order is copied by one offload after its
   last producer and waited for once, where the last of their waits was; earlier members
   stay on the device until then. A storage joins where the run's copies, issued
-  together, still end before that wait (priced as the planner places waits).
+  together, still end before that wait (priced as the planner places waits) and before
+  the queue was to start the next copy: on a queue that is never idle, a run that
+  starts its copies late delays every copy after it.
 - Backward: a run of storages in need order, each reloaded (as planned alone) before the
   run's first need, is reloaded by one op and waited for once, before that need. The op
   is placed as the planner places a reload, the run taken as one storage of all its
@@ -18,9 +20,9 @@ would; what changes is when each copy starts and how long each storage is held.
   the run before it wherever being reloaded with the run's first leaves the peak where
   it is.
 
-A storage joins a forward run only where what it holds longer leaves the predicted peak
-where it is (``MemoryTimeline.hold_if_fits``), and a backward run is kept only where what its
-storages hold earlier does. The buckets are kept where the simulated step is no slower
+A storage joins a forward run only where what it holds longer leaves forward's predicted
+peak where it is (``MemoryTimeline.hold_if_fits``), and a backward run is kept only where
+what its storages hold earlier leaves backward's where it is. The buckets are kept where the simulated step is no slower
 than the plan's without them, or within the stall tolerance of the step with nothing
 moved; else the forward's alone, else none. The simulation prices a storage that joins
 another's op at the profile's bucketed host cost, so this check sees what joining saves
