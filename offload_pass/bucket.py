@@ -22,11 +22,11 @@ would; what changes is when each copy starts and how long each storage is held.
 
 A storage joins a forward run only where what it holds longer leaves forward's predicted
 peak where it is (``MemoryTimeline.hold_if_fits``), and a backward run is kept only where
-what its storages hold earlier leaves backward's where it is. The buckets are kept where the simulated step is no slower
-than the plan's without them, or within the stall tolerance of the step with nothing
-moved; else the forward's alone, else none. The simulation prices a storage that joins
-another's op at the profile's bucketed host cost, so this check sees what joining saves
-the host.
+what its storages hold earlier leaves backward's where it is. The buckets are kept where
+the simulated step is no slower than the plan's without them, or within the stall
+tolerance of the step with nothing moved; else the forward's alone, else none. The
+simulation prices a storage that joins another's op at the profile's bucketed host
+cost, so this check sees what joining saves the host.
 """
 
 from __future__ import annotations
