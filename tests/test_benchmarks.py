@@ -335,6 +335,16 @@ def test_zoo_harness_runs_a_tiny_model_on_the_cpu(tmp_path):
     assert json.loads(written.read_text())["workloads"].keys() == results["workloads"].keys()
 
 
+def test_peak_breakdown_names_the_zoo_configurations_it_does_not_know(capsys):
+    from benchmarks import peak_breakdown
+
+    with pytest.raises(SystemExit):
+        peak_breakdown.main(["--zoo", "qwen2_gqa", "--configs", "compiled", "auto"])
+    err = capsys.readouterr().err
+    assert "unknown configurations ['auto']" in err
+    assert "'offload_pass auto'" in err
+
+
 def test_reduce_overhead_refuses_to_run_without_cuda(monkeypatch, capsys):
     import pytest
     import torch
