@@ -17,8 +17,8 @@ would; what changes is when each copy starts and how long each storage is held.
   is placed as the planner places a reload, the run taken as one storage of all its
   bytes: members needed later arrive on the device earlier. Where copies cannot overlap
   compute, a reload costs the step the same wherever it is issued, so a storage joins
-  the run before it wherever being reloaded with the run's first leaves the peak where
-  it is.
+  the run before it wherever being reloaded with the run's first leaves backward's peak
+  where it is.
 
 A storage joins a forward run only where what it holds longer leaves forward's predicted
 peak where it is (``MemoryTimeline.hold_if_fits``), and a backward run is kept only where
@@ -49,7 +49,7 @@ def _runs(
     memory: MemoryTimeline,
 ) -> list[list[Transfer]]:
     """``ordered`` cut into runs: each transfer joins the run before it where ``joins``
-    allows and the memory it ``holds`` longer fits under the peak."""
+    allows and the memory it ``holds`` longer fits under its pass's peak."""
     runs: list[list[Transfer]] = []
     for t in ordered:
         run = runs[-1] if runs else []
@@ -98,9 +98,10 @@ def _forward_runs(
     def joins(run: list[Transfer], t: Transfer) -> bool:
         """Whether the run's copies, issued together after ``t`` is made, still end
         (priced as the planner places waits) before the run's last wait, and before the
-        queue was to start the copy after ``t``'s: where the queue is never idle, a run
-        that starts its copies later delays every copy after it. Where copies cannot
-        overlap compute, each costs the same wherever it is issued."""
+        queue was to start the copy after ``t``'s (priced as planned: the copies after
+        were placed at those prices): where the queue is never idle, a run that starts
+        its copies later delays every copy after it. Where copies cannot overlap
+        compute, each costs the same wherever it is issued."""
         if not costs.profile.copies_overlap_compute:
             return True
         run_totals = totals(run)
@@ -129,7 +130,7 @@ def _backward_runs(
     planned alone) before the run's first need: it would have been on the device by then
     anyway. Where they cannot, a reload costs the step the same wherever it is issued, so
     a storage joins the run before it wherever reloading it with the run's first leaves
-    the peak where it is (judged on a copy of ``memory``: a run is held for good only
+    backward's peak where it is (judged on a copy of ``memory``: a run is held for good only
     once placed, in ``_reloads_that_fit``)."""
     ordered = sorted(transfers, key=lambda t: (t.need_at, t.reload_at))
     if costs.profile.copies_overlap_compute:
@@ -174,7 +175,8 @@ def _reloads_that_fit(
     memory: MemoryTimeline,
 ) -> dict[str, dict[str, int]]:
     """``placed`` for each run whose storages, reloaded before their own reloads, leave
-    the peak where it is; each storage of any other run where it was planned alone."""
+    backward's peak where it is; each storage of any other run where it was planned
+    alone."""
     before = memory.num_forward
     kept = {}
     for run in runs:

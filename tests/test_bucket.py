@@ -76,6 +76,8 @@ def test_a_bucket_on_a_busy_queue_delays_no_copy_after_it():
     for copy in bucketed.prediction.copies:
         if copy.root in ("a0", "a1"):
             assert copy.offload_start == pytest.approx(planned_start[copy.root])
+    assert bucketed.prediction.step_seconds == pytest.approx(planned.prediction.step_seconds)
+    assert bucketed.prediction.peak_bytes == planned.prediction.peak_bytes
 
 
 def test_a_storage_held_longer_must_leave_the_peak_where_it_is():

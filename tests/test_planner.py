@@ -272,17 +272,22 @@ def test_holds_fit_only_where_their_sum_stays_under_the_top():
     assert memory.top == max(live)
 
 
-def test_a_hold_in_forward_fits_under_forward_top_not_the_step_top():
-    """Backward's peak (the step's) is higher than forward's: a forward hold that would
-    raise forward's top is refused even where it stays under backward's, and a
-    backward hold up to backward's top fits."""
+def _with_backward_transient() -> tuple[ChunkCosts, int]:
+    """Four storages' chunk whose backward's first node holds 5 MB more while it runs,
+    so backward's top (the step's) is above forward's; and that node's position."""
     groups = [group(0, 4 * MB), group(1, 3 * MB), group(4, 2 * MB), group(8, MB)]
     costs = chunk(groups)
-    transient = costs.num_forward + 1  # backward's first node holds 5 MB more while it runs
+    transient = costs.num_forward + 1
     allocated, freed = list(costs.allocated), list(costs.freed)
     allocated[transient] += 5 * MB
     freed[transient] += 5 * MB
-    costs = dataclasses.replace(costs, allocated=tuple(allocated), freed=tuple(freed))
+    return dataclasses.replace(costs, allocated=tuple(allocated), freed=tuple(freed)), transient
+
+
+def test_a_hold_in_forward_fits_under_forward_top_not_the_step_top():
+    """A forward hold that would raise forward's top is refused even where it stays
+    under backward's (the step's), and a backward hold up to backward's top fits."""
+    costs, transient = _with_backward_transient()
     memory = MemoryTimeline(costs, ())
     live = memory.live.to_list()
     forward_top, backward_top = memory.pass_top(0), memory.pass_top(transient)
@@ -297,6 +302,21 @@ def test_a_hold_in_forward_fits_under_forward_top_not_the_step_top():
     assert room > forward_top - live[backward_low]
     assert memory.hold_if_fits([(backward_low, backward_low + 1, room)])
     assert memory.top == max(live)
+
+
+def test_a_hold_across_both_passes_counts_against_each_pass_top():
+    """A hold from forward's end into backward is refused where its forward part would
+    raise forward's top, though the step's top (backward's) has room for all of it; its
+    backward part alone fits."""
+    costs, _ = _with_backward_transient()
+    memory = MemoryTimeline(costs, ())
+    live = memory.live.to_list()
+    edge = costs.num_forward
+    assert all(v + MB <= memory.top for v in live[edge - 2 : edge + 1])
+    assert max(live[edge - 2 : edge]) + MB > memory.pass_top(0)
+    assert not memory.hold_if_fits([(edge - 2, edge + 1, MB)])
+    assert memory.live.to_list() == live
+    assert memory.hold_if_fits([(edge, edge + 1, MB)])
 
 
 def test_fraction_prefers_the_candidates_whose_copies_hide_best():
