@@ -9,7 +9,8 @@ kernel that reads it computes it again, so what it is computed from is read ther
 Each node whose result is written to memory is computed by a kernel the host issues, and
 fusible ones computed together share one (``graphs.fused_kernels``).
 Memory is tracked per storage: allocated where it is produced, freed after its last read
-in forward or backward; the chunk's inputs (parameters, the batch) are resident
+in forward or backward, except where a fused kernel writes its result into an input it
+reads for the last time; the chunk's inputs (parameters, the batch) are resident
 throughout and backward's outputs (gradients) are kept to the end. Positions run over
 forward's nodes, then backward's.
 """
@@ -28,6 +29,7 @@ from offload_pass import _compat
 from offload_pass.graphs import (
     ChunkGraphs,
     fused_kernels,
+    is_fusible,
     is_view,
     kernels_reading,
     materializes,
@@ -169,4 +171,41 @@ def _memory_events(
         nbytes = tensor_bytes(root.meta.get("val"))
         allocated[at] += nbytes
         freed[max(at, last_use.get(root, at))] += nbytes
+    # A kernel may write into a storage the step allocated, a saved value among them
+    # (AOTAutograd donates those to backward), but not into backward's other inputs: the
+    # tangents are the caller's.
+    tangents = {n for n in backward if n.op == "placeholder" and n not in received}
+    donated = {s: at for s, at in last_use.items() if s in start and s not in tangents}
+    dying = _dying_at(donated)
+    for root, at in start.items():
+        if _takes_over_a_dying_input(root, dying.get(at, ())):
+            nbytes = tensor_bytes(root.meta.get("val"))
+            allocated[at] -= nbytes
+            freed[at] -= nbytes
     return tuple(allocated), tuple(freed)
+
+
+def _dying_at(last_use: dict[torch.fx.Node, int]) -> dict[int, list[torch.fx.Node]]:
+    """The storages each position reads for the last time."""
+    dying: dict[int, list[torch.fx.Node]] = {}
+    for storage, at in last_use.items():
+        dying.setdefault(at, []).append(storage)
+    return dying
+
+
+def _takes_over_a_dying_input(node: torch.fx.Node, dying: Sequence[torch.fx.Node]) -> bool:
+    """Whether Inductor computes ``node`` in place: a fused kernel (pointwise, or a
+    reduction's last loop) writes its result into an input it reads for the last time,
+    where that input holds as many elements of the same dtype (its scheduler's
+    ``decide_inplace_update``). A cross-entropy's logits gradient takes over the saved
+    logits so, and a residual add the matrix product it adds."""
+    value = node.meta.get("val")
+    if not is_fusible(node) or not isinstance(value, torch.Tensor):
+        return False
+    return any(
+        isinstance(v := d.meta.get("val"), torch.Tensor)
+        and d is not node
+        and v.dtype == value.dtype
+        and tensor_bytes(v) == tensor_bytes(value)
+        for d in dying
+    )

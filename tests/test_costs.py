@@ -25,14 +25,16 @@ def _backward(y, tangent):
     return (y * tangent,)
 
 
-def _chunk(forward_fn=_forward, backward_fn=_backward, num_saved=1) -> ChunkGraphs:
+def _chunk(
+    forward_fn=_forward, backward_fn=_backward, num_saved=1, tangent_shape=()
+) -> ChunkGraphs:
     """Forward on x (6×4) and w (4×8); backward reads forward's last ``num_saved``
-    outputs, then a scalar tangent."""
+    outputs (6×8 each), then a tangent of ``tangent_shape``."""
     x, w = torch.randn(6, 4), torch.randn(4, 8)
     forward = make_fx(forward_fn, tracing_mode="fake")(x, w)
     saved = forward.graph.output_node().args[0][-num_saved:]
     saved_values = [torch.mm(x, w) for _ in range(num_saved)]
-    backward = make_fx(backward_fn, tracing_mode="fake")(*saved_values, torch.tensor(1.0))
+    backward = make_fx(backward_fn, tracing_mode="fake")(*saved_values, torch.ones(tangent_shape))
     placeholders = backward.graph.find_nodes(op="placeholder")[:num_saved]
     for node, placeholder in zip(saved, placeholders, strict=True):
         placeholder.name = placeholder.target = node.name
@@ -75,13 +77,60 @@ def test_memory_timeline_follows_each_storage_from_producer_to_last_use():
     # forward: x, w, mm, relu, sum, output; backward: y, tangent, mul, output.
     costs = estimate_costs(_chunk(), PROFILE)
     assert costs.resident_bytes == 6 * 4 * 4 + 4 * 8 * 4
-    # relu fuses into sum and takes no memory; y and the tangent die after mul; sum (a
-    # user output) and the gradient (a backward output) are kept to the end.
-    assert costs.allocated == (0, 0, 192, 0, 4, 0, 0, 4, 192, 0)
-    assert costs.freed == (0, 0, 0, 0, 0, 0, 0, 0, 192 + 4, 4 + 192)
+    # relu fuses into sum and takes no memory; the tangent dies after mul; y dies at mul,
+    # which writes the gradient into y's storage (as large, same dtype); sum (a user
+    # output) and the gradient (a backward output) are kept to the end.
+    assert costs.allocated == (0, 0, 192, 0, 4, 0, 0, 4, 0, 0)
+    assert costs.freed == (0, 0, 0, 0, 0, 0, 0, 0, 4, 4 + 192)
     assert costs.backward_inputs == 2
-    # the peak is while mul runs: y, the loss, the tangent and the gradient are live
-    assert peak_bytes(costs, ()) == costs.resident_bytes + 192 + 4 + 4 + 192
+    # the peak is while mul runs: y (then the gradient), the loss and the tangent are live
+    assert peak_bytes(costs, ()) == costs.resident_bytes + 192 + 4 + 4
+
+
+def _forward_adding(x, w):
+    y = torch.mm(x, w)
+    z = y + 1  # y dies here
+    return z.sum(), z
+
+
+def _forward_widening(x, w):
+    y = torch.mm(x, w)
+    z = y + torch.full((6, 8), 1.0, dtype=torch.float64)  # y dies; z's elements are wider
+    return z.sum(), z
+
+
+def _position(chunk: ChunkGraphs, graph: torch.fx.Graph, target) -> int:
+    nodes = list(graph.nodes)
+    offset = 0 if graph is chunk.forward.graph else len(chunk.forward.graph.nodes)
+    return offset + nodes.index(_node(graph, target))
+
+
+def test_a_fused_kernel_writes_into_a_same_sized_input_it_reads_for_the_last_time():
+    """Inductor's in-place reuse: a residual add into the matrix product it adds."""
+    chunk = _chunk(_forward_adding)
+    costs = estimate_costs(chunk, PROFILE)
+    add = _position(chunk, chunk.forward.graph, torch.ops.aten.add.Tensor)
+    assert (costs.allocated[add], costs.freed[add]) == (0, 0)
+    assert peak_bytes(costs, ()) == costs.resident_bytes + 192 + 4 + 4
+
+
+def test_no_kernel_writes_into_an_input_of_another_dtype():
+    chunk = _chunk(_forward_widening)
+    costs = estimate_costs(chunk, PROFILE)
+    add = _position(chunk, chunk.forward.graph, torch.ops.aten.add.Tensor)
+    assert (costs.allocated[add], costs.freed[add]) == (6 * 8 * 8, 6 * 8 * 4)
+
+
+def _backward_from_tangent(y, tangent):
+    return tangent * 2, y.sum()
+
+
+def test_no_kernel_writes_into_a_tangent():
+    """Backward's tangents are the caller's tensors; only the saved values are donated."""
+    chunk = _chunk(backward_fn=_backward_from_tangent, tangent_shape=(6, 8))
+    costs = estimate_costs(chunk, PROFILE)
+    mul = _position(chunk, chunk.backward.graph, torch.ops.aten.mul.Tensor)
+    assert (costs.allocated[mul], costs.freed[mul]) == (192, 192)
 
 
 def test_the_host_issues_one_kernel_per_value_written_to_memory():

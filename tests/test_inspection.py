@@ -87,6 +87,14 @@ def test_explain_plans_a_cpu_model_for_the_profile_it_is_given():
     assert on_h200.prediction.peak_bytes < on_h200.prediction.baseline_peak_bytes
 
 
+def test_explain_plans_a_model_with_dropout():
+    """Inductor's joint-graph passes seed random ops under the trace's fake mode."""
+    torch.manual_seed(0)
+    model = models.DropoutMLP(width=64).train()
+    (plan,) = offload_pass.explain(model, torch.randn(8, 64), fraction=1.0, min_bytes=0).plans
+    assert plan.moved
+
+
 def test_explain_says_when_the_host_leaves_auto_nothing_to_move():
     # the same small model on an H200 with its host: kernels of microseconds, each issued
     # in 13 us, so the step is the host's and every transfer op would lengthen it
