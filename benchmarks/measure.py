@@ -15,9 +15,12 @@ import torch
 
 import offload_pass
 from benchmarks.configs import Config, Unavailable
-from offload_pass import _compat
+from offload_pass import _compat, host_clock
 
-FIRST_TIMED_STEP = 2  # benchmarks/README.md: the median of steps 3..8
+SETTLING_STEPS = host_clock.WARMUP_CALLS + host_clock.TIMED_CALLS
+"""Steps each configuration runs before its counted ones: ``auto`` on CUDA measures the
+host on its first steps and may compile once more at the price measured."""
+FIRST_TIMED_STEP = 2  # benchmarks/README.md: the median of steps 3..8 after settling
 HEAD_START_CYCLES = 1_000_000_000
 """What the device spins before the step whose host time is measured (about 0.5 s at
 2 GHz), longer than any step here takes the host to issue."""
@@ -174,10 +177,12 @@ def measure(
         records = []
         pinned = None
         started = time.perf_counter()
-        for step in range(steps):
-            if step == FIRST_TIMED_STEP:
+        for step in range(SETTLING_STEPS + steps):
+            if step == SETTLING_STEPS + FIRST_TIMED_STEP:
                 pinned = pinned_allocations()
-            records.append(_run_step(forward, x, device))
+            record = _run_step(forward, x, device)
+            if step >= SETTLING_STEPS:
+                records.append(record)
             model.zero_grad(set_to_none=True)
             if step == 0:
                 first_step = time.perf_counter() - started
@@ -230,7 +235,7 @@ def paired_step_ratio(
         model, x = build()
         prepared.append((model, config.prepare(model, {}), x))
     for model, forward, x in prepared:  # compile, then warm up as measure() does
-        for _ in range(FIRST_TIMED_STEP + 1):
+        for _ in range(SETTLING_STEPS + FIRST_TIMED_STEP + 1):
             _run_step(forward, x, device)
             model.zero_grad(set_to_none=True)
     ratios = []

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import types
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.fx
 
-from offload_pass import _compat, ops
+from offload_pass import _compat, host_clock, ops
 from offload_pass.options import (
     DEFAULT_MIN_BYTES,
     DEFAULT_STALL_TOLERANCE,
@@ -38,6 +39,10 @@ class OffloadBackend:
     def __init__(self, options: OffloadOptions) -> None:
         self.options = options
         self._compiled: dict[str, tuple[types.CodeType | None, Plan]] = {}
+        self.host_scale: float | None = None
+        """The host's price over the profile's, where ``auto`` measured it on a chunk's
+        first steps and planned again at it (:mod:`offload_pass.host_clock`); the chunks
+        compiled after that plan at it too."""
 
     @property
     def plans(self) -> list[Plan]:
@@ -64,7 +69,45 @@ class OffloadBackend:
             self._compiled.pop(name, None)
             self._compiled[name] = (code, plan)
 
-        return OffloadPartitioner(self.options, rule, name, keep)
+        return OffloadPartitioner(self.options, rule, name, keep, self.host_scale or 1.0)
+
+    def _timed_forward(self, compiled: Callable[..., Any], name: str) -> Callable[..., Any]:
+        """``compiled``, its host's time measured on its first calls where ``auto`` made
+        its plan at a price the host may not keep (``host_clock.is_timed``)."""
+        kept = self._compiled.get(name)
+        measure = (
+            self.options.mode == "auto"
+            and self.host_scale is None
+            and kept is not None
+            and host_clock.is_timed(kept[1])
+        )
+        if not measure:
+            return compiled
+        return host_clock.ForwardHostClock(
+            compiled, lambda seconds: self._replan_if_host_bound(name, seconds)
+        )
+
+    def _replan_if_host_bound(self, name: str, forward_host_seconds: float) -> None:
+        """Where the chunk's transfers break ``auto``'s stall tolerance at the host's
+        measured price, discard its frame's compiled code, so that its next call plans
+        and compiles again at that price."""
+        if name not in self._compiled:
+            return  # its frame was discarded meanwhile (set_fraction)
+        code, plan = self._compiled[name]
+        scale = host_clock.host_scale(plan, forward_host_seconds)
+        tolerance = self.options.stall_tolerance
+        if code is None or host_clock.keeps_its_promise(plan, scale, tolerance):
+            return
+        warnings.warn(
+            f"offload_pass: {name}'s forward took the host {forward_host_seconds * 1e3:.2f} ms "
+            f"to issue, {scale:.2f}x what its plan priced; at that price its transfers slow "
+            f"the step by more than stall_tolerance={tolerance}, so it is planned again "
+            "at that price and compiled once more",
+            stacklevel=2,
+        )
+        self.host_scale = scale
+        _compat.discard_compiled_code(code)
+        self.discard_frame(code)
 
     def __call__(
         self,
@@ -85,11 +128,13 @@ class OffloadBackend:
         config = _compat.inductor_config(mode, options)
         partitioner = self.partitioner_for(gm)
         if self.options.compiler == "eager":
-            return _compat.compile_with_eager(gm, example_inputs, partitioner)
-        _compat.lower_with_aligned_outputs(ops.RELOAD_WAIT)
-        return _compat.compile_with_inductor(
-            gm, example_inputs, partitioner, ops.holds_transfers, config
-        )
+            compiled = _compat.compile_with_eager(gm, example_inputs, partitioner)
+        else:
+            _compat.lower_with_aligned_outputs(ops.RELOAD_WAIT)
+            compiled = _compat.compile_with_inductor(
+                gm, example_inputs, partitioner, ops.holds_transfers, config
+            )
+        return self._timed_forward(compiled, partitioner.name)
 
     def __repr__(self) -> str:
         return f"OffloadBackend({self.options})"

@@ -51,10 +51,15 @@ def request_for(
     )
 
 
-def planning_profile(options: OffloadOptions, device: torch.device) -> DeviceProfile:
-    """The rates ``device`` runs the chunk at: ``options.profile``'s, changed as CUDA
+def planning_profile(
+    options: OffloadOptions, device: torch.device, host_scale: float = 1.0
+) -> DeviceProfile:
+    """The rates ``device`` runs the chunk at: ``options.profile``'s, its host costs
+    times ``host_scale`` where the host was measured (``host_clock``), changed as CUDA
     graphs change them where the Inductor compile in progress captures them."""
     profile = profile_for(options.profile, device)
+    if host_scale != 1.0:
+        profile = profile.with_host_scaled(host_scale, f"host measured at {host_scale:.2f}x")
     captured = options.compiler == "inductor" and _compat.inductor_captures_around_transfers()
     return profile.under_cuda_graphs() if captured else profile
 
@@ -85,9 +90,12 @@ class PlannedChunk:
     recompute_budget: float | None = None
 
 
-def plan_chunk(chunk: ChunkGraphs, options: OffloadOptions, rule: FractionRule) -> PlannedChunk:
+def plan_chunk(
+    chunk: ChunkGraphs, options: OffloadOptions, rule: FractionRule, host_scale: float = 1.0
+) -> PlannedChunk:
     """Every stage but the rewrite on ``chunk`` (``order`` edits its backward in place).
-    ``rule``: the shares in force when the graph began to compile."""
+    ``rule``: the shares in force when the graph began to compile; ``host_scale``: the
+    host's measured price over the profile's (``host_clock``)."""
     clock = _StageClock()
     with clock.stage("order"):
         free_memory_early(chunk.backward, resident_inputs(chunk))
@@ -97,7 +105,7 @@ def plan_chunk(chunk: ChunkGraphs, options: OffloadOptions, rule: FractionRule) 
         device = chunk.device()
         nodes = [*chunk.forward.graph.nodes, *chunk.backward.graph.nodes]
         timer = timer_for(options.profile, device, nodes)
-        costs = estimate_costs(chunk, planning_profile(options, device), timer)
+        costs = estimate_costs(chunk, planning_profile(options, device, host_scale), timer)
     with clock.stage("plan"):
         request = request_for(groups, options, rule)
         planned = plan_offloads(groups, costs, request)

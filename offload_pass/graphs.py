@@ -29,12 +29,7 @@ class ChunkGraphs:
         return list(outputs[self.num_forward_outputs :])
 
     def device(self) -> torch.device:
-        """The first accelerator any forward input lives on, else the CPU."""
-        for node in self.forward.graph.find_nodes(op="placeholder"):
-            value = node.meta.get("val")
-            if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-                return value.device
-        return torch.device("cpu")
+        return forward_device(self.forward)
 
     def user_outputs(self) -> list[torch.fx.Node]:
         outputs = self.forward.graph.output_node().args[0]
@@ -53,6 +48,15 @@ class ChunkGraphs:
     def saved_values_by_input(self) -> dict[torch.fx.Node, torch.fx.Node]:
         """Each backward input that receives a saved value, and that forward value."""
         return {received: value for value, received in self.backward_inputs().items()}
+
+
+def forward_device(forward: torch.fx.GraphModule) -> torch.device:
+    """The first accelerator any input of ``forward`` lives on, else the CPU."""
+    for node in forward.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            return value.device
+    return torch.device("cpu")
 
 
 def is_view(node: torch.fx.Node) -> bool:

@@ -58,12 +58,17 @@ def search_levels(options: OffloadOptions, joint: torch.fx.GraphModule) -> tuple
 
 
 def plan_jointly(
-    partition: Partition, options: OffloadOptions, rule: FractionRule, levels: Sequence[float]
+    partition: Partition,
+    options: OffloadOptions,
+    rule: FractionRule,
+    levels: Sequence[float],
+    host_scale: float = 1.0,
 ) -> PlannedChunk:
     """The planned split of the chunk: under ``options.recompute_budget`` (None: torch's
-    setting), or the best the search over ``levels`` finds (module docstring)."""
+    setting), or the best the search over ``levels`` finds (module docstring).
+    ``host_scale``: as :func:`driver.plan_chunk` takes it."""
     start = time.perf_counter()
-    best = stock = _planned(partition, options.recompute_budget, options, rule)
+    best = stock = _planned(partition, options.recompute_budget, options, rule, host_scale)
     if not levels:
         return stock
     seconds: dict[float | None, float] = {None: time.perf_counter() - start}
@@ -74,7 +79,7 @@ def plan_jointly(
         if _meets_budget_in_time(best, slowest):
             break
         start = time.perf_counter()
-        tried = _planned(partition, level, in_bytes, rule)
+        tried = _planned(partition, level, in_bytes, rule, host_scale)
         seconds[level] = time.perf_counter() - start
         if _shortfall_then_step(tried) < _shortfall_then_step(best):
             best = tried
@@ -85,9 +90,14 @@ def plan_jointly(
 
 
 def _planned(
-    partition: Partition, level: float | None, options: OffloadOptions, rule: FractionRule
+    partition: Partition,
+    level: float | None,
+    options: OffloadOptions,
+    rule: FractionRule,
+    host_scale: float,
 ) -> PlannedChunk:
-    return dataclasses.replace(plan_chunk(partition(level), options, rule), recompute_budget=level)
+    planned = plan_chunk(partition(level), options, rule, host_scale)
+    return dataclasses.replace(planned, recompute_budget=level)
 
 
 def _meets_budget_in_time(planned: PlannedChunk, slowest: float) -> bool:

@@ -60,11 +60,13 @@ class OffloadPartitioner(_compat.PartitionerBase):
         rule: FractionRule,
         name: str,
         on_plan: Callable[[Plan], None],
+        host_scale: float = 1.0,
     ) -> None:
         self.options = options
         self.rule = rule
         self.name = name
         self.on_plan = on_plan
+        self.host_scale = host_scale
 
     def __call__(
         self, joint: torch.fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
@@ -77,7 +79,8 @@ class OffloadPartitioner(_compat.PartitionerBase):
             levels = search_levels(self.options, joint)
             partition = stock_splits(joint, joint_inputs, **kwargs)
             plan = rewrite_chunk(
-                plan_jointly(partition, self.options, self.rule, levels), self.name
+                plan_jointly(partition, self.options, self.rule, levels, self.host_scale),
+                self.name,
             )
         dump.record(plan, dump.dump_dir(self.options.dump_dir))
         self.on_plan(plan)

@@ -80,6 +80,14 @@ class DeviceProfile:
             kernel_launch_seconds=0.0,
         )
 
+    def with_host_scaled(self, scale: float, why: str) -> DeviceProfile:
+        """The same device on a host ``scale`` times as slow (or fast) to issue work:
+        every host cost scaled; ``why`` is added to the name."""
+        if not scale > 0:
+            raise ValueError(f"a host's scale must be positive, got {scale!r}")
+        host = {name: getattr(self, name) * scale for name in _HOST_COSTS}
+        return dataclasses.replace(self, name=f"{self.name}, {why}", **host)
+
     def matrix_rate(self, dtype: torch.dtype) -> float:
         return self.fp32_flops if dtype in (torch.float32, torch.float64) else self.matmul_flops
 

@@ -68,8 +68,9 @@ class Prediction:
     """One step as simulated; times in seconds from the start of forward.
     ``stall_seconds``: compute waiting for copies; ``host_wait_seconds``: compute waiting
     for the host to issue its kernels; ``host_seconds``: what the host takes to issue the
-    step, had it never to wait for the device. ``forward_starts``/``backward_starts``:
-    when each node starts computing."""
+    step, had it never to wait for the device, ``forward_host_seconds`` what it takes to
+    issue forward. ``forward_starts``/``backward_starts``: when each node starts
+    computing."""
 
     forward_seconds: float
     backward_seconds: float
@@ -82,6 +83,7 @@ class Prediction:
     copies: tuple[CopyPrediction, ...] = dataclasses.field(repr=False)
     forward_starts: tuple[float, ...] = dataclasses.field(default=(), repr=False)
     backward_starts: tuple[float, ...] = dataclasses.field(default=(), repr=False)
+    forward_host_seconds: float = 0.0
 
     @property
     def step_seconds(self) -> float:
@@ -332,6 +334,7 @@ def peak_bytes(costs: ChunkCosts, transfers: Sequence[Transfer], in_flight: int 
 class _Timeline:
     streams: _Streams
     forward_end: float
+    forward_host: float
     copies: tuple[_Copy, ...]
     forward_starts: tuple[float, ...]
     backward_starts: tuple[float, ...]
@@ -367,7 +370,7 @@ def _run(costs: ChunkCosts, transfers: Sequence[Transfer]) -> _Timeline:
             )
         for t in waits.get(i, ()):
             copies[t.root].stall += streams.wait_for(copies[t.root].offload_end)
-    forward_end = streams.clock
+    forward_end, forward_host = streams.clock, streams.host
 
     host_to_device = CopyQueue()
     backward_starts = []
@@ -382,7 +385,12 @@ def _run(costs: ChunkCosts, transfers: Sequence[Transfer]) -> _Timeline:
             copies[t.root].stall += streams.wait_for(copies[t.root].reload_end)
         backward_starts.append(streams.run(seconds, launches))
     return _Timeline(
-        streams, forward_end, tuple(copies.values()), tuple(forward_starts), tuple(backward_starts)
+        streams,
+        forward_end,
+        forward_host,
+        tuple(copies.values()),
+        tuple(forward_starts),
+        tuple(backward_starts),
     )
 
 
@@ -429,4 +437,5 @@ def simulate(costs: ChunkCosts, transfers: Sequence[Transfer], in_flight: int = 
         ),
         forward_starts=timeline.forward_starts,
         backward_starts=timeline.backward_starts,
+        forward_host_seconds=timeline.forward_host,
     )

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import offload_pass
-from offload_pass import device_cache, ops, runtime, timing
+from offload_pass import device_cache, host_clock, ops, runtime, timing
+from offload_pass.profiles import BUILT_IN
 from tests import models
 from tests.conftest import total
 
@@ -198,6 +199,32 @@ def test_gradients_exact_with_a_stalled_copy_stream(stalled):
     for name, p in model.named_parameters():
         assert torch.equal(p.grad, expected_grads[name]), name
     assert torch.equal(xg.grad, expected_x_grad)
+
+
+def test_auto_plans_again_where_the_host_measured_on_its_first_steps_is_too_slow():
+    """A profile whose host is 400 times as fast as any has ``auto`` move activations of
+    a small stack whose real step is the host's; the host's time measured on the first
+    steps has the chunk planned again at that price, and the step trains as stock's."""
+    model = _blocks(depth=4)
+    fast_host = BUILT_IN["h200"].with_host_scaled(1 / 400, "a host 400x as fast")
+    backend = offload_pass.backend(profile=fast_host)
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(2, 512, 256, device="cuda")
+    _step(compiled, x)
+    moved_first = len(backend.plans[0].moved)
+    assert moved_first
+    with pytest.warns(UserWarning, match="compiled once more"):
+        for _ in range(host_clock.WARMUP_CALLS + host_clock.TIMED_CALLS - 1):
+            _step(compiled, x)
+    grads, x_grad = _step(compiled, x)
+    (plan,) = backend.plans
+    assert backend.host_scale is not None and backend.host_scale > 1
+    assert "host measured" in plan.profile.name
+    assert len(plan.moved) < moved_first
+    expected_grads, expected_x_grad = _step(torch.compile(copy.deepcopy(model)), x)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], msg=name)
+    torch.testing.assert_close(x_grad, expected_x_grad)
 
 
 def _held_between_forward_and_backward(model, x) -> int:

@@ -135,7 +135,7 @@ def _stub_split(step_ms: float, unmoved_ms: float, level: float | None, shortfal
 def _search(monkeypatch, splits: dict[float | None, PlannedChunk]):
     tried: list[float | None] = []
 
-    def planned(partition, level, options, rule):
+    def planned(partition, level, options, rule, host_scale):
         tried.append(level)
         return splits[level]
 

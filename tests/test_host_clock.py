@@ -1,0 +1,131 @@
+"""The host's price measured on a chunk's first steps, and ``auto`` planned again at it."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import offload_pass
+from offload_pass import host_clock
+from offload_pass.profiles import BUILT_IN
+from tests import models
+from tests.conftest import train_step
+
+SLOWER = 400.0
+FAST_HOST = BUILT_IN["h200"].with_host_scaled(1 / SLOWER, "a host 400x as fast")
+"""The H200's rates with a host so fast that ``auto`` moves activations of a small stack;
+on the H200's own host (``SLOWER`` times as slow) the same stack is the host's and
+``auto`` moves nothing (test_inspection)."""
+STEPS_TO_MEASURE = host_clock.WARMUP_CALLS + host_clock.TIMED_CALLS
+
+
+def _stack() -> tuple[torch.nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return models.BlockStack(dim=256, heads=4, depth=4), torch.randn(2, 512, 256)
+
+
+@pytest.fixture
+def timed_on_cpu(monkeypatch):
+    """Time the host on the CPU as on CUDA, and report a host ``SLOWER`` times as slow
+    as the plan's profile: on the CPU a forward's wall time is its compute."""
+    monkeypatch.setattr(host_clock, "is_timed", lambda plan: bool(plan.moved))
+    monkeypatch.setattr(host_clock, "host_scale", lambda plan, seconds: SLOWER)
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_auto_plans_again_at_the_host_price_measured_on_its_first_steps(timed_on_cpu, compiler):
+    model, x = _stack()
+    expected = train_step(model, x)
+    backend = offload_pass.backend(profile=FAST_HOST, compiler=compiler)
+    compiled = torch.compile(model, backend=backend)
+    train_step(compiled, x)
+    (first,) = backend.plans
+    assert first.moved
+    with pytest.warns(UserWarning, match=r"400.00x what its plan priced.*compiled once more"):
+        for _ in range(STEPS_TO_MEASURE - 1):
+            train_step(compiled, x)
+    assert backend.plans == [], "the plan made at the old price leaves with its code"
+
+    loss, grads, x_grad = train_step(compiled, x)
+    (again,) = backend.plans
+    assert backend.host_scale == SLOWER
+    assert again.profile.kernel_launch_seconds == pytest.approx(
+        BUILT_IN["h200"].kernel_launch_seconds
+    )
+    assert "host measured" in again.profile.name
+    assert not again.moved, "on the H200's own host the stack's step is the host's"
+    torch.testing.assert_close(loss, expected[0])
+    torch.testing.assert_close(x_grad, expected[2])
+    for name, grad in expected[1].items():
+        torch.testing.assert_close(grads[f"_orig_mod.{name}"], grad)
+
+
+def test_a_plan_that_keeps_its_tolerance_at_the_measured_price_compiles_once(monkeypatch):
+    monkeypatch.setattr(host_clock, "is_timed", lambda plan: bool(plan.moved))
+    monkeypatch.setattr(host_clock, "host_scale", lambda plan, seconds: 1.0)
+    model, x = _stack()
+    backend = offload_pass.backend(profile=FAST_HOST, compiler="eager")
+    compiled = torch.compile(model, backend=backend)
+    for _ in range(STEPS_TO_MEASURE + 2):
+        train_step(compiled, x)
+    (plan,) = backend.plans
+    assert plan.moved and backend.host_scale is None
+
+
+def test_only_auto_measures_the_host(timed_on_cpu):
+    model, x = _stack()
+    backend = offload_pass.backend(fraction=1.0, profile=FAST_HOST, compiler="eager")
+    compiled = torch.compile(model, backend=backend)
+    for _ in range(STEPS_TO_MEASURE + 1):
+        train_step(compiled, x)
+    (plan,) = backend.plans
+    assert plan.moved and backend.host_scale is None
+
+
+def test_a_plan_keeps_its_promise_on_its_own_host_and_not_on_a_slower_one():
+    model, x = _stack()
+    (plan,) = offload_pass.explain(model, x, profile=FAST_HOST).plans
+    assert plan.moved
+    assert host_clock.keeps_its_promise(plan, 1.0, 0.01)
+    assert not host_clock.keeps_its_promise(plan, SLOWER, 0.01)
+
+
+def test_the_forward_host_time_counts_forward_launches_and_offload_ops():
+    model, x = _stack()
+    (plan,) = offload_pass.explain(model, x, profile=FAST_HOST).plans
+    profile, costs = plan.profile, plan.costs
+    launches = sum(costs.forward_launches) * profile.kernel_launch_seconds
+    ops = plan.prediction.forward_host_seconds - launches
+    assert plan.offload_ops >= 1
+    assert ops == pytest.approx(
+        profile.offload_host_seconds * plan.offload_ops
+        + profile.bucketed_offload_host_seconds * (len(plan.moved) - plan.offload_ops)
+    )
+    assert host_clock.host_scale(plan, 2 * plan.prediction.forward_host_seconds) == 2.0
+
+
+def test_the_clock_reports_the_median_of_the_calls_after_the_warmup():
+    ticks = itertools.count()
+    durations = iter([9.0] * host_clock.WARMUP_CALLS + [1.0, 5.0, 2.0, 4.0, 3.0, 7.0])
+    elapsed = {"now": 0.0}
+
+    def clock() -> float:
+        if next(ticks) % 2:
+            elapsed["now"] += next(durations)
+        return elapsed["now"]
+
+    reported = []
+    timed = host_clock.ForwardHostClock(lambda value: value + 1, reported.append, clock)
+    outputs = [timed(i) for i in range(host_clock.WARMUP_CALLS + host_clock.TIMED_CALLS + 1)]
+    assert outputs == list(range(1, len(outputs) + 1))
+    assert reported == [3.0], "once, the median of the five timed calls"
+
+
+def test_a_host_scale_must_be_positive():
+    with pytest.raises(ValueError, match="must be positive"):
+        BUILT_IN["h200"].with_host_scaled(0.0, "no host")
+    scaled = BUILT_IN["h200"].with_host_scaled(2.0, "twice as slow")
+    assert scaled.reload_host_seconds == 2 * BUILT_IN["h200"].reload_host_seconds
+    assert scaled.matmul_flops == BUILT_IN["h200"].matmul_flops
