@@ -84,19 +84,21 @@ class OffloadBackend:
         if not measure:
             return compiled
         return host_clock.ForwardHostClock(
-            compiled, lambda seconds: self._replan_if_host_bound(name, seconds)
+            compiled, lambda seconds: self._price_host(name, seconds)
         )
 
-    def _replan_if_host_bound(self, name: str, forward_host_seconds: float) -> None:
-        """Where the chunk's transfers break ``auto``'s stall tolerance at the host's
-        measured price, discard its frame's compiled code, so that its next call plans
-        and compiles again at that price."""
+    def _price_host(self, name: str, forward_host_seconds: float) -> None:
+        """Keep the chunk's plan predicted at the host's measured price; where its
+        transfers break ``auto``'s stall tolerance at that price, discard its frame's
+        compiled code instead, so that its next call plans and compiles again at it."""
         if name not in self._compiled:
             return  # its frame was discarded meanwhile (set_fraction)
         code, plan = self._compiled[name]
         scale = host_clock.host_scale(plan, forward_host_seconds)
+        priced = host_clock.priced_at(plan, scale, self.options.in_flight_microbatches)
         tolerance = self.options.stall_tolerance
-        if code is None or host_clock.keeps_its_promise(plan, scale, tolerance):
+        if code is None or host_clock.keeps_its_promise(priced, tolerance):
+            self._compiled[name] = (code, priced)
             return
         warnings.warn(
             f"offload_pass: {name}'s forward took the host {forward_host_seconds * 1e3:.2f} ms "

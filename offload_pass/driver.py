@@ -59,7 +59,7 @@ def planning_profile(
     graphs change them where the Inductor compile in progress captures them."""
     profile = profile_for(options.profile, device)
     if host_scale != 1.0:
-        profile = profile.with_host_scaled(host_scale, f"host measured at {host_scale:.2f}x")
+        profile = profile.with_host_measured(host_scale)
     captured = options.compiler == "inductor" and _compat.inductor_captures_around_transfers()
     return profile.under_cuda_graphs() if captured else profile
 

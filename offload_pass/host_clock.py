@@ -7,10 +7,11 @@ it by a third or more (docs/gpu-validation.md, runs 47 to 53). Where the host is
 than planned, a step the plan counted as the device's is the host's, and each transfer
 op lengthens it: ``auto``'s promise to stay within the stall tolerance no longer holds.
 :class:`ForwardHostClock` times a compiled chunk's forward calls after their warm-up;
-:func:`host_scale` turns the time into a factor on the profile's host costs, and
-:func:`keeps_its_promise` says whether the plan still stays within the tolerance at that
-price. The backend plans such a chunk again at the measured price and compiles it once
-more (``backend.OffloadBackend``).
+:func:`host_scale` turns the time into a factor on the profile's host costs,
+:func:`priced_at` predicts the plan again at that price, and :func:`keeps_its_promise`
+says whether it still stays within the tolerance. The backend keeps the plan so priced,
+or, where it breaks the tolerance, plans the chunk again at the measured price and
+compiles it once more (``backend.OffloadBackend``).
 """
 
 from __future__ import annotations
@@ -32,14 +33,10 @@ TIMED_CALLS = 5
 
 
 def is_timed(plan: Plan) -> bool:
-    """Whether the host's price matters to ``plan``: it moves something on a CUDA device,
-    whose host issues kernels (the profile prices them), and whose forward call returns
-    once the host has issued its work."""
-    return (
-        bool(plan.moved)
-        and plan.profile.kernel_launch_seconds > 0
-        and forward_device(plan.forward).type == "cuda"
-    )
+    """Whether the host's price matters to ``plan``: on a CUDA device, whose host issues
+    kernels (the profile prices them), a forward call returns once the host has issued
+    its work."""
+    return plan.prediction.forward_host_seconds > 0 and forward_device(plan.forward).type == "cuda"
 
 
 def host_scale(plan: Plan, forward_host_seconds: float) -> float:
@@ -47,12 +44,20 @@ def host_scale(plan: Plan, forward_host_seconds: float) -> float:
     return forward_host_seconds / plan.prediction.forward_host_seconds
 
 
-def keeps_its_promise(plan: Plan, scale: float, stall_tolerance: float) -> bool:
-    """Whether ``plan``'s transfers keep the step within ``stall_tolerance`` of the step
-    with nothing moved, on a host ``scale`` times as slow as its profile's."""
-    profile = plan.profile.with_host_scaled(scale, "host measured")
-    step = simulate(dataclasses.replace(plan.costs, profile=profile), plan.planned.transfers)
-    return step.step_seconds <= (1 + stall_tolerance) * step.baseline_seconds
+def priced_at(plan: Plan, scale: float, in_flight: int) -> Plan:
+    """``plan`` with its host costs, and so its prediction, at ``scale`` times its
+    profile's (``in_flight``: the microbatches its peak counts)."""
+    costs = dataclasses.replace(plan.costs, profile=plan.profile.with_host_measured(scale))
+    prediction = simulate(costs, plan.planned.transfers, in_flight)
+    planned = dataclasses.replace(plan.planned, prediction=prediction)
+    return dataclasses.replace(plan, costs=costs, planned=planned)
+
+
+def keeps_its_promise(plan: Plan, stall_tolerance: float) -> bool:
+    """Whether ``plan``'s transfers keep its predicted step within ``stall_tolerance`` of
+    the step with nothing moved."""
+    prediction = plan.prediction
+    return prediction.step_seconds <= (1 + stall_tolerance) * prediction.baseline_seconds
 
 
 class ForwardHostClock:

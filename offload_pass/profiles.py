@@ -80,13 +80,13 @@ class DeviceProfile:
             kernel_launch_seconds=0.0,
         )
 
-    def with_host_scaled(self, scale: float, why: str) -> DeviceProfile:
-        """The same device on a host ``scale`` times as slow (or fast) to issue work:
-        every host cost scaled; ``why`` is added to the name."""
+    def with_host_measured(self, scale: float) -> DeviceProfile:
+        """The same device on a host measured ``scale`` times as slow (or fast) to issue
+        work as this profile prices it: every host cost scaled."""
         if not scale > 0:
-            raise ValueError(f"a host's scale must be positive, got {scale!r}")
+            raise ValueError(f"a host's measured scale must be positive, got {scale!r}")
         host = {name: getattr(self, name) * scale for name in _HOST_COSTS}
-        return dataclasses.replace(self, name=f"{self.name}, {why}", **host)
+        return dataclasses.replace(self, name=f"{self.name}, host measured at {scale:.2f}x", **host)
 
     def matrix_rate(self, dtype: torch.dtype) -> float:
         return self.fp32_flops if dtype in (torch.float32, torch.float64) else self.matmul_flops

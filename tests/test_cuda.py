@@ -206,7 +206,7 @@ def test_auto_plans_again_where_the_host_measured_on_its_first_steps_is_too_slow
     a small stack whose real step is the host's; the host's time measured on the first
     steps has the chunk planned again at that price, and the step trains as stock's."""
     model = _blocks(depth=4)
-    fast_host = BUILT_IN["h200"].with_host_scaled(1 / 400, "a host 400x as fast")
+    fast_host = BUILT_IN["h200"].with_host_measured(1 / 400)
     backend = offload_pass.backend(profile=fast_host)
     compiled = torch.compile(model, backend=backend)
     x = torch.randn(2, 512, 256, device="cuda")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -14,7 +15,9 @@ from tests import models
 from tests.conftest import train_step
 
 SLOWER = 400.0
-FAST_HOST = BUILT_IN["h200"].with_host_scaled(1 / SLOWER, "a host 400x as fast")
+FAST_HOST = dataclasses.replace(
+    BUILT_IN["h200"].with_host_measured(1 / SLOWER), name="h200, a host 400x as fast"
+)
 """The H200's rates with a host so fast that ``auto`` moves activations of a small stack;
 on the H200's own host (``SLOWER`` times as slow) the same stack is the host's and
 ``auto`` moves nothing (test_inspection)."""
@@ -30,7 +33,7 @@ def _stack() -> tuple[torch.nn.Module, torch.Tensor]:
 def timed_on_cpu(monkeypatch):
     """Time the host on the CPU as on CUDA, and report a host ``SLOWER`` times as slow
     as the plan's profile: on the CPU a forward's wall time is its compute."""
-    monkeypatch.setattr(host_clock, "is_timed", lambda plan: bool(plan.moved))
+    monkeypatch.setattr(host_clock, "is_timed", lambda plan: True)
     monkeypatch.setattr(host_clock, "host_scale", lambda plan, seconds: SLOWER)
 
 
@@ -54,7 +57,7 @@ def test_auto_plans_again_at_the_host_price_measured_on_its_first_steps(timed_on
     assert again.profile.kernel_launch_seconds == pytest.approx(
         BUILT_IN["h200"].kernel_launch_seconds
     )
-    assert "host measured" in again.profile.name
+    assert again.profile.name == "h200, a host 400x as fast, host measured at 400.00x"
     assert not again.moved, "on the H200's own host the stack's step is the host's"
     torch.testing.assert_close(loss, expected[0])
     torch.testing.assert_close(x_grad, expected[2])
@@ -62,16 +65,25 @@ def test_auto_plans_again_at_the_host_price_measured_on_its_first_steps(timed_on
         torch.testing.assert_close(grads[f"_orig_mod.{name}"], grad)
 
 
-def test_a_plan_that_keeps_its_tolerance_at_the_measured_price_compiles_once(monkeypatch):
-    monkeypatch.setattr(host_clock, "is_timed", lambda plan: bool(plan.moved))
-    monkeypatch.setattr(host_clock, "host_scale", lambda plan, seconds: 1.0)
+def test_a_plan_within_its_tolerance_at_the_measured_price_is_kept_so_priced(monkeypatch):
+    """The stack's plan on a host twice as slow as planned: its transfers still hide,
+    and the plan kept predicts the step at the price measured."""
+    monkeypatch.setattr(host_clock, "is_timed", lambda plan: True)
+    monkeypatch.setattr(host_clock, "host_scale", lambda plan, seconds: 2.0)
     model, x = _stack()
     backend = offload_pass.backend(profile=FAST_HOST, compiler="eager")
     compiled = torch.compile(model, backend=backend)
-    for _ in range(STEPS_TO_MEASURE + 2):
+    train_step(compiled, x)
+    (first,) = backend.plans
+    for _ in range(STEPS_TO_MEASURE + 1):
         train_step(compiled, x)
     (plan,) = backend.plans
-    assert plan.moved and backend.host_scale is None
+    assert plan.moved == first.moved and backend.host_scale is None
+    assert plan.forward is first.forward, "compiled once"
+    assert plan.profile.kernel_launch_seconds == 2 * FAST_HOST.kernel_launch_seconds
+    assert plan.prediction.forward_host_seconds == pytest.approx(
+        2 * first.prediction.forward_host_seconds
+    )
 
 
 def test_only_auto_measures_the_host(timed_on_cpu):
@@ -82,14 +94,16 @@ def test_only_auto_measures_the_host(timed_on_cpu):
         train_step(compiled, x)
     (plan,) = backend.plans
     assert plan.moved and backend.host_scale is None
+    assert plan.profile == FAST_HOST
 
 
 def test_a_plan_keeps_its_promise_on_its_own_host_and_not_on_a_slower_one():
     model, x = _stack()
     (plan,) = offload_pass.explain(model, x, profile=FAST_HOST).plans
     assert plan.moved
-    assert host_clock.keeps_its_promise(plan, 1.0, 0.01)
-    assert not host_clock.keeps_its_promise(plan, SLOWER, 0.01)
+    assert host_clock.keeps_its_promise(plan, 0.01)
+    assert host_clock.keeps_its_promise(host_clock.priced_at(plan, 2.0, 1), 0.01)
+    assert not host_clock.keeps_its_promise(host_clock.priced_at(plan, SLOWER, 1), 0.01)
 
 
 def test_the_forward_host_time_counts_forward_launches_and_offload_ops():
@@ -125,7 +139,7 @@ def test_the_clock_reports_the_median_of_the_calls_after_the_warmup():
 
 def test_a_host_scale_must_be_positive():
     with pytest.raises(ValueError, match="must be positive"):
-        BUILT_IN["h200"].with_host_scaled(0.0, "no host")
-    scaled = BUILT_IN["h200"].with_host_scaled(2.0, "twice as slow")
+        BUILT_IN["h200"].with_host_measured(0.0)
+    scaled = BUILT_IN["h200"].with_host_measured(2.0)
     assert scaled.reload_host_seconds == 2 * BUILT_IN["h200"].reload_host_seconds
     assert scaled.matmul_flops == BUILT_IN["h200"].matmul_flops
