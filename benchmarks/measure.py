@@ -17,7 +17,7 @@ import offload_pass
 from benchmarks.configs import Config, Unavailable
 from offload_pass import _compat, host_clock
 
-SETTLING_STEPS = host_clock.WARMUP_CALLS + host_clock.TIMED_CALLS
+SETTLING_STEPS = host_clock.SETTLING_STEPS
 """Steps each configuration runs before its counted ones: ``auto`` on CUDA measures the
 host on its first steps and may compile once more at the price measured."""
 FIRST_TIMED_STEP = 2  # benchmarks/README.md: the median of steps 3..8 after settling

@@ -337,18 +337,20 @@ def after_inductor_joint_passes(partition: PartitionFn) -> PartitionFn:
     """``partition`` after Inductor's joint-graph passes, as Inductor's own compile runs
     them before its partitioner: they rewrite patterns (a scatter into a constant becomes
     a pointwise ``where``, say), so the graphs planned are those Inductor compiles. They
-    run under the trace's fake mode, as in Inductor's compile (the pass that seeds random
-    ops, dropout's, creates its seed tensor under it)."""
+    run under the trace's fake mode, or a new one, as in Inductor's compile (the pass that
+    seeds random ops, dropout's, creates its seed tensor under it)."""
     from torch._guards import detect_fake_mode
     from torch._inductor import config
     from torch._inductor.fx_passes.joint_graph import joint_graph_passes
     from torch._inductor.virtualized import V
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     def partition_after_passes(
         joint: torch.fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
     ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
         if config.use_joint_graph_passes:
-            with V.set_fake_mode(detect_fake_mode(joint_inputs)):
+            fake_mode = detect_fake_mode(joint_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
+            with V.set_fake_mode(fake_mode):
                 joint = joint_graph_passes(joint)
         return partition(joint, joint_inputs, **kwargs)
 

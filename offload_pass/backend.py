@@ -39,10 +39,10 @@ class OffloadBackend:
     def __init__(self, options: OffloadOptions) -> None:
         self.options = options
         self._compiled: dict[str, tuple[types.CodeType | None, Plan]] = {}
-        self.host_scale: float | None = None
-        """The host's price over the profile's, where ``auto`` measured it on a chunk's
-        first steps and planned again at it (:mod:`offload_pass.host_clock`); the chunks
-        compiled after that plan at it too."""
+        self.host_scales: dict[types.CodeType, float] = {}
+        """The host's price over the profile's, by frame, where ``auto`` measured it on
+        a chunk's first steps and compiled the frame again at it
+        (:mod:`offload_pass.host_clock`)."""
 
     @property
     def plans(self) -> list[Plan]:
@@ -69,17 +69,21 @@ class OffloadBackend:
             self._compiled.pop(name, None)
             self._compiled[name] = (code, plan)
 
-        return OffloadPartitioner(self.options, rule, name, keep, self.host_scale or 1.0)
+        host_scale = self.host_scales.get(code, 1.0) if code is not None else 1.0
+        return OffloadPartitioner(self.options, rule, name, keep, host_scale)
 
     def _timed_forward(self, compiled: Callable[..., Any], name: str) -> Callable[..., Any]:
         """``compiled``, its host's time measured on its first calls where ``auto`` made
-        its plan at a price the host may not keep (``host_clock.is_timed``)."""
-        kept = self._compiled.get(name)
+        its plan at a price the host may not keep (``host_clock.is_timed``). Not where
+        the partitioner agrees its choices across ranks: a compile then runs collectives,
+        and one rank compiling again alone would hang the others."""
+        code, plan = self._compiled.get(name, (None, None))
         measure = (
             self.options.mode == "auto"
-            and self.host_scale is None
-            and kept is not None
-            and host_clock.is_timed(kept[1])
+            and code not in self.host_scales
+            and plan is not None
+            and host_clock.is_timed(plan)
+            and not _compat.partitions_sync_across_ranks()
         )
         if not measure:
             return compiled
@@ -100,16 +104,16 @@ class OffloadBackend:
         if code is None or host_clock.keeps_its_promise(priced, tolerance):
             self._compiled[name] = (code, priced)
             return
+        self.host_scales[code] = scale
+        _compat.discard_compiled_code(code)
+        self.discard_frame(code)
         warnings.warn(
             f"offload_pass: {name}'s forward took the host {forward_host_seconds * 1e3:.2f} ms "
             f"to issue, {scale:.2f}x what its plan priced; at that price its transfers slow "
-            f"the step by more than stall_tolerance={tolerance}, so it is planned again "
-            "at that price and compiled once more",
+            f"the step by more than stall_tolerance={tolerance}, so its frame is planned "
+            "again at that price and compiled once more",
             stacklevel=2,
         )
-        self.host_scale = scale
-        _compat.discard_compiled_code(code)
-        self.discard_frame(code)
 
     def __call__(
         self,

@@ -28,6 +28,7 @@ import torch.fx
 from offload_pass import _compat
 from offload_pass.graphs import (
     ChunkGraphs,
+    aliases,
     fused_kernels,
     is_fusible,
     is_view,
@@ -36,6 +37,7 @@ from offload_pass.graphs import (
     storage_root,
     tensor_bytes,
     tensor_values,
+    view_chain,
 )
 from offload_pass.profiles import DeviceProfile
 from offload_pass.timing import NodeTimer, SettledTimer
@@ -99,10 +101,12 @@ def node_seconds(
     return max(flops / profile.matrix_rate(dtype), traffic / profile.memory_bandwidth)
 
 
-def kernel_launches(nodes: Sequence[torch.fx.Node]) -> tuple[int, ...]:
+def kernel_launches(
+    nodes: Sequence[torch.fx.Node], kernels: dict[torch.fx.Node, torch.fx.Node] | None = None
+) -> tuple[int, ...]:
     """Kernels the host issues at each node: one at the first node of each kernel, as the
-    generated code fuses them (``graphs.fused_kernels``)."""
-    kernels = fused_kernels(nodes)
+    generated code fuses them (``kernels``: ``graphs.fused_kernels`` of ``nodes``)."""
+    kernels = fused_kernels(nodes) if kernels is None else kernels
     return tuple(int(kernels.get(n) is n) for n in nodes)
 
 
@@ -111,13 +115,14 @@ def estimate_costs(
 ) -> ChunkCosts:
     forward = list(chunk.forward.graph.nodes)
     backward = list(chunk.backward.graph.nodes)
-    allocated, freed = _memory_events(chunk, forward, backward)
+    kernels = {**fused_kernels(forward), **fused_kernels(backward)}
+    allocated, freed = _memory_events(chunk, forward, backward, kernels)
     return ChunkCosts(
         profile=profile,
         forward_seconds=tuple(node_seconds(n, profile, timer) for n in forward),
         backward_seconds=tuple(node_seconds(n, profile, timer) for n in backward),
-        forward_launches=kernel_launches(forward),
-        backward_launches=kernel_launches(backward),
+        forward_launches=kernel_launches(forward, kernels),
+        backward_launches=kernel_launches(backward, kernels),
         resident_bytes=sum(
             tensor_bytes(n.meta.get("val")) for n in forward if n.op == "placeholder"
         ),
@@ -131,9 +136,13 @@ def estimate_costs(
 
 
 def _memory_events(
-    chunk: ChunkGraphs, forward: list[torch.fx.Node], backward: list[torch.fx.Node]
+    chunk: ChunkGraphs,
+    forward: list[torch.fx.Node],
+    backward: list[torch.fx.Node],
+    fused: dict[torch.fx.Node, torch.fx.Node],
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Bytes allocated at each position, and bytes freed after it."""
+    """Bytes allocated at each position, and bytes freed after it (``fused``: the first
+    node of the kernel writing each value, ``graphs.fused_kernels``)."""
     received = chunk.saved_values_by_input()
     position = {n: i for i, n in enumerate(itertools.chain(forward, backward))}
     end = len(position) - 1
@@ -178,7 +187,7 @@ def _memory_events(
     donated = {s: at for s, at in last_use.items() if s in start and s not in tangents}
     dying = _dying_at(donated)
     for root, at in start.items():
-        if _takes_over_a_dying_input(root, dying.get(at, ())):
+        if any(_writes_in_place(root, d, fused, kernels) for d in dying.get(at, ())):
             nbytes = tensor_bytes(root.meta.get("val"))
             allocated[at] -= nbytes
             freed[at] -= nbytes
@@ -193,19 +202,55 @@ def _dying_at(last_use: dict[torch.fx.Node, int]) -> dict[int, list[torch.fx.Nod
     return dying
 
 
-def _takes_over_a_dying_input(node: torch.fx.Node, dying: Sequence[torch.fx.Node]) -> bool:
-    """Whether Inductor computes ``node`` in place: a fused kernel (pointwise, or a
-    reduction's last loop) writes its result into an input it reads for the last time,
-    where that input holds as many elements of the same dtype (its scheduler's
-    ``decide_inplace_update``). A cross-entropy's logits gradient takes over the saved
-    logits so, and a residual add the matrix product it adds."""
-    value = node.meta.get("val")
-    if not is_fusible(node) or not isinstance(value, torch.Tensor):
+_READ_IN_ORDER = frozenset(
+    {
+        torch.ops.aten.view,
+        torch.ops.aten._unsafe_view,
+        torch.ops.aten.reshape,
+        torch.ops.aten.squeeze,
+        torch.ops.aten.unsqueeze,
+        torch.ops.aten.alias,
+    }
+)
+"""Views whose elements keep their storage's order: a kernel reading its input through
+them reads element i where it writes element i."""
+
+
+def _writes_in_place(
+    node: torch.fx.Node,
+    donor: torch.fx.Node,
+    fused: dict[torch.fx.Node, torch.fx.Node],
+    kernels: dict[torch.fx.Node, frozenset[torch.fx.Node]],
+) -> bool:
+    """Whether Inductor computes ``node`` into ``donor``'s storage, which ``node``'s
+    kernel reads for the last time (its scheduler's ``decide_inplace_update``): ``node``
+    is a fused kernel's result (pointwise, or a reduction's last loop) as many elements
+    of the same dtype as ``donor``; no other result of that kernel reads ``donor``; and
+    it reads ``donor`` only where it writes, through views that keep the order of its
+    elements. A cross-entropy's logits gradient takes over the saved logits so, and a
+    residual add the matrix product it adds."""
+    value, given = node.meta.get("val"), donor.meta.get("val")
+    if not (
+        is_fusible(node)
+        and isinstance(value, torch.Tensor)
+        and isinstance(given, torch.Tensor)
+        and donor is not node
+        and given.dtype == value.dtype
+        and tensor_bytes(given) == tensor_bytes(value)
+    ):
         return False
-    return any(
-        isinstance(v := d.meta.get("val"), torch.Tensor)
-        and d is not node
-        and v.dtype == value.dtype
-        and tensor_bytes(v) == tensor_bytes(value)
-        for d in dying
-    )
+    kernel = fused.get(node, node)
+    for alias in aliases(donor):
+        for user in alias.users:
+            if is_view(user) and user.args[0] is alias:
+                continue
+            readers = kernels_reading(user, kernels)
+            if any(r is not node and fused.get(r, r) is kernel for r in readers):
+                return False
+            in_order = all(
+                getattr(v.target, "overloadpacket", None) in _READ_IN_ORDER
+                for v in view_chain(alias)
+            )
+            if node in readers and not in_order:
+                return False
+    return True

@@ -22,20 +22,27 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from offload_pass.graphs import forward_device
 from offload_pass.plan import Plan
 from offload_pass.simulate import simulate
 
-WARMUP_CALLS = 3
-"""Forward calls not timed: the first compiles, autotunes and pins host memory."""
+WARMUP_STEPS = 2
+"""Steps whose forward calls are not timed: the first compiles, autotunes, pins host
+memory and grows the device's pool."""
 TIMED_CALLS = 5
 """Forward calls timed after the warm-up; their median is the measurement."""
+SETTLING_STEPS = WARMUP_STEPS + TIMED_CALLS + 1
+"""Steps after which a chunk compiled whole runs the plan it keeps (the last one may
+compile it again)."""
 
 
 def is_timed(plan: Plan) -> bool:
-    """Whether the host's price matters to ``plan``: on a CUDA device, whose host issues
-    kernels (the profile prices them), a forward call returns once the host has issued
-    its work."""
+    """Whether the host's price matters to ``plan`` and can be read off its forward calls:
+    the host issues its kernels one by one (not replayed from CUDA graphs, whose profile
+    prices no launch), and on a CUDA device a call returns once the host has issued its
+    work (on the CPU it returns when the work is done)."""
     return plan.prediction.forward_host_seconds > 0 and forward_device(plan.forward).type == "cuda"
 
 
@@ -62,9 +69,14 @@ def keeps_its_promise(plan: Plan, stall_tolerance: float) -> bool:
 
 class ForwardHostClock:
     """A compiled chunk's forward, calling ``on_measured`` once with the median seconds
-    its calls took after the warm-up (:data:`WARMUP_CALLS`, :data:`TIMED_CALLS`); then
-    only the forward. On CUDA a call returns once the host has issued the work, so its
-    wall time is the host's."""
+    its calls took from its third step on (:data:`WARMUP_STEPS`, :data:`TIMED_CALLS`);
+    then only the forward. On CUDA a call returns once the host has issued the work, so
+    its wall time is the host's.
+
+    A step is counted where a backward of an earlier call has run since the call before:
+    a chunk may be called several times a step (each block compiled on its own shares
+    one), and its first step's calls all compile, pin host memory or grow the device's
+    pool."""
 
     def __init__(
         self,
@@ -75,7 +87,9 @@ class ForwardHostClock:
         self.forward = forward
         self.on_measured = on_measured
         self.clock = clock
-        self.calls = 0
+        self.steps = 0
+        self.backwards = 0
+        self._backwards_seen = 0
         self.samples: list[float] | None = []
         # Dynamo calls a compiled function with its inputs boxed in a list where it says so.
         self._boxed_call = getattr(forward, "_boxed_call", False)
@@ -83,13 +97,28 @@ class ForwardHostClock:
     def __call__(self, *args: Any) -> Any:
         if self.samples is None:
             return self.forward(*args)
+        if self.backwards > self._backwards_seen:
+            self.steps += 1
+            self._backwards_seen = self.backwards
         start = self.clock()
         outputs = self.forward(*args)
         seconds = self.clock() - start
-        self.calls += 1
-        if self.calls > WARMUP_CALLS:
-            self.samples.append(seconds)
+        if self.steps < WARMUP_STEPS:
+            self._count_backward_of(outputs)
+            return outputs
+        self.samples.append(seconds)
         if len(self.samples) == TIMED_CALLS:
             samples, self.samples = self.samples, None
             self.on_measured(statistics.median(samples))
         return outputs
+
+    def _count_backward_of(self, outputs: Any) -> None:
+        node = next(
+            (t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None),
+            None,
+        )
+        if node is not None:
+            node.register_hook(self._backward_ran)
+
+    def _backward_ran(self, *grads: Any) -> None:
+        self.backwards += 1

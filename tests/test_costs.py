@@ -121,6 +121,48 @@ def test_no_kernel_writes_into_an_input_of_another_dtype():
     assert (costs.allocated[add], costs.freed[add]) == (6 * 8 * 8, 6 * 8 * 4)
 
 
+def _forward_sin_and_cos(x, w):
+    y = torch.mm(x, w)
+    a, b = y.sin(), y.cos()  # one kernel, two results, both reading y
+    return a.sum() + b.sum(), a, b
+
+
+def _forward_transposing(x, w):
+    z = torch.mm(x, w).t() * 2  # y dies here, read across its rows
+    return z.sum(), z
+
+
+def _forward_to_int(x, w):
+    y = torch.mm(x, w)
+    z = torch.ops.prims.convert_element_type.default(y + 1, torch.int32)  # as many bytes
+    return z.sum(), z
+
+
+def _backward_product(a, b, tangent):
+    return (a * b * tangent,)
+
+
+def test_a_kernel_with_two_results_writes_neither_into_the_input_both_read():
+    chunk = _chunk(_forward_sin_and_cos, _backward_product, num_saved=2)
+    costs = estimate_costs(chunk, PROFILE)
+    sin = _position(chunk, chunk.forward.graph, torch.ops.aten.sin.default)
+    cos = _position(chunk, chunk.forward.graph, torch.ops.aten.cos.default)
+    assert costs.allocated[sin] + costs.allocated[cos] == 2 * 192
+
+
+@pytest.mark.parametrize("forward_fn", [_forward_transposing, _forward_to_int])
+def test_no_kernel_writes_into_an_input_read_out_of_order_or_of_another_dtype(forward_fn):
+    chunk = _chunk(forward_fn)
+    costs = estimate_costs(chunk, PROFILE)
+    (writer,) = (
+        n
+        for n in chunk.forward.graph.nodes
+        if n.target in (torch.ops.aten.mul.Tensor, torch.ops.prims.convert_element_type.default)
+    )
+    at = list(chunk.forward.graph.nodes).index(writer)
+    assert (costs.allocated[at], costs.freed[at]) == (192, 192)
+
+
 def _backward_from_tangent(y, tangent):
     return tangent * 2, y.sum()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ FAST_HOST = dataclasses.replace(
 """The H200's rates with a host so fast that ``auto`` moves activations of a small stack;
 on the H200's own host (``SLOWER`` times as slow) the same stack is the host's and
 ``auto`` moves nothing (test_inspection)."""
-STEPS_TO_MEASURE = host_clock.WARMUP_CALLS + host_clock.TIMED_CALLS
+STEPS_TO_MEASURE = host_clock.WARMUP_STEPS + host_clock.TIMED_CALLS
 
 
 def _stack() -> tuple[torch.nn.Module, torch.Tensor]:
@@ -53,7 +54,7 @@ def test_auto_plans_again_at_the_host_price_measured_on_its_first_steps(timed_on
 
     loss, grads, x_grad = train_step(compiled, x)
     (again,) = backend.plans
-    assert backend.host_scale == SLOWER
+    assert list(backend.host_scales.values()) == [SLOWER]
     assert again.profile.kernel_launch_seconds == pytest.approx(
         BUILT_IN["h200"].kernel_launch_seconds
     )
@@ -63,6 +64,45 @@ def test_auto_plans_again_at_the_host_price_measured_on_its_first_steps(timed_on
     torch.testing.assert_close(x_grad, expected[2])
     for name, grad in expected[1].items():
         torch.testing.assert_close(grads[f"_orig_mod.{name}"], grad)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(host_clock.SETTLING_STEPS):
+            train_step(compiled, x)
+    assert backend.plans == [again], "measured once, compiled once more"
+
+
+class _TwoStacks(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = models.BlockStack(dim=256, heads=4, depth=2)
+        self.second = models.BlockStack(dim=256, heads=4, depth=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first(x)
+        torch._dynamo.graph_break()
+        return self.second(x)
+
+
+def test_each_frame_is_planned_again_at_the_price_measured_on_it(monkeypatch):
+    """A graph break: two chunks in two frames, each measured on its own."""
+    monkeypatch.setattr(host_clock, "is_timed", lambda plan: True)
+    measured = iter([SLOWER, 2 * SLOWER])
+    monkeypatch.setattr(host_clock, "host_scale", lambda plan, seconds: next(measured))
+    torch.manual_seed(0)
+    model, x = _TwoStacks(), torch.randn(2, 512, 256)
+    backend = offload_pass.backend(profile=FAST_HOST, compiler="eager")
+    compiled = torch.compile(model, backend=backend)
+    train_step(compiled, x)
+    assert all(plan.moved for plan in backend.plans) and len(backend.plans) == 2
+    with pytest.warns(UserWarning, match="compiled once more"):
+        for _ in range(host_clock.SETTLING_STEPS):
+            train_step(compiled, x)
+    assert sorted(backend.host_scales.values()) == [SLOWER, 2 * SLOWER]
+    assert sorted(p.profile.name.rsplit(" ", 1)[-1] for p in backend.plans) == [
+        "400.00x",
+        "800.00x",
+    ]
 
 
 def test_a_plan_within_its_tolerance_at_the_measured_price_is_kept_so_priced(monkeypatch):
@@ -78,7 +118,7 @@ def test_a_plan_within_its_tolerance_at_the_measured_price_is_kept_so_priced(mon
     for _ in range(STEPS_TO_MEASURE + 1):
         train_step(compiled, x)
     (plan,) = backend.plans
-    assert plan.moved == first.moved and backend.host_scale is None
+    assert plan.moved == first.moved and not backend.host_scales
     assert plan.forward is first.forward, "compiled once"
     assert plan.profile.kernel_launch_seconds == 2 * FAST_HOST.kernel_launch_seconds
     assert plan.prediction.forward_host_seconds == pytest.approx(
@@ -93,8 +133,29 @@ def test_only_auto_measures_the_host(timed_on_cpu):
     for _ in range(STEPS_TO_MEASURE + 1):
         train_step(compiled, x)
     (plan,) = backend.plans
-    assert plan.moved and backend.host_scale is None
+    assert plan.moved and not backend.host_scales
     assert plan.profile == FAST_HOST
+
+
+def test_no_rank_measures_where_the_partitioner_agrees_its_choices_across_ranks(timed_on_cpu):
+    from torch._functorch import config
+
+    model, x = _stack()
+    backend = offload_pass.backend(profile=FAST_HOST, compiler="eager")
+    compiled = torch.compile(model, backend=backend)
+    with config.patch(_sync_decision_cross_ranks=True):
+        for _ in range(host_clock.SETTLING_STEPS):
+            train_step(compiled, x)
+    (plan,) = backend.plans
+    assert plan.moved and plan.profile == FAST_HOST and not backend.host_scales
+
+
+def test_a_plan_on_the_cpu_is_not_timed():
+    """On the CPU a forward call returns when its work is done: its time is not the
+    host's to issue it."""
+    model, x = _stack()
+    (plan,) = offload_pass.explain(model, x, profile=FAST_HOST).plans
+    assert plan.moved and not host_clock.is_timed(plan)
 
 
 def test_a_plan_keeps_its_promise_on_its_own_host_and_not_on_a_slower_one():
@@ -120,20 +181,23 @@ def test_the_forward_host_time_counts_forward_launches_and_offload_ops():
     assert host_clock.host_scale(plan, 2 * plan.prediction.forward_host_seconds) == 2.0
 
 
-def test_the_clock_reports_the_median_of_the_calls_after_the_warmup():
-    ticks = itertools.count()
-    durations = iter([9.0] * host_clock.WARMUP_CALLS + [1.0, 5.0, 2.0, 4.0, 3.0, 7.0])
-    elapsed = {"now": 0.0}
+def test_the_clock_reports_the_median_of_the_calls_from_the_third_step_on():
+    """Two calls a step (two blocks sharing one compiled chunk); a step begins where a
+    backward has run since the call before."""
+    durations = iter([9.0] * 2 * host_clock.WARMUP_STEPS + [1.0, 5.0, 2.0, 4.0, 3.0, 7.0])
+    ticks, now = itertools.count(), [0.0]
 
     def clock() -> float:
         if next(ticks) % 2:
-            elapsed["now"] += next(durations)
-        return elapsed["now"]
+            now[0] += next(durations)
+        return now[0]
 
     reported = []
-    timed = host_clock.ForwardHostClock(lambda value: value + 1, reported.append, clock)
-    outputs = [timed(i) for i in range(host_clock.WARMUP_CALLS + host_clock.TIMED_CALLS + 1)]
-    assert outputs == list(range(1, len(outputs) + 1))
+    timed = host_clock.ForwardHostClock(lambda t: (t * 2,), reported.append, clock)
+    for _ in range(host_clock.WARMUP_STEPS + 3):
+        (first,) = timed(torch.ones(2, requires_grad=True))
+        (second,) = timed(torch.ones(2, requires_grad=True))
+        (first.sum() + second.sum()).backward()
     assert reported == [3.0], "once, the median of the five timed calls"
 
 
