@@ -12,6 +12,7 @@ import torch
 import torch.fx
 
 from offload_pass import _compat, host_clock, ops
+from offload_pass.graphs import forward_device
 from offload_pass.options import (
     DEFAULT_MIN_BYTES,
     DEFAULT_STALL_TOLERANCE,
@@ -87,8 +88,11 @@ class OffloadBackend:
         )
         if not measure:
             return compiled
+        device = forward_device(plan.forward)
         return host_clock.ForwardHostClock(
-            compiled, lambda seconds: self._price_host(name, seconds)
+            compiled,
+            lambda seconds: self._price_host(name, seconds),
+            lambda: torch.get_device_module(device).synchronize(device),
         )
 
     def _price_host(self, name: str, forward_host_seconds: float) -> None:

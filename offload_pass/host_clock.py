@@ -33,6 +33,9 @@ WARMUP_STEPS = 2
 memory and grows the device's pool."""
 TIMED_CALLS = 5
 """Forward calls timed after the warm-up; their median is the measurement."""
+LAUNCH_QUEUE = 1000
+"""About how many kernels CUDA queues on a stream before the host waits for the device
+to run one: a forward launching more may be paced by the device, not the host."""
 SETTLING_STEPS = WARMUP_STEPS + TIMED_CALLS + 1
 """Steps after which a chunk compiled whole runs the plan it keeps (the last one may
 compile it again)."""
@@ -42,8 +45,14 @@ def is_timed(plan: Plan) -> bool:
     """Whether the host's price matters to ``plan`` and can be read off its forward calls:
     the host issues its kernels one by one (not replayed from CUDA graphs, whose profile
     prices no launch), and on a CUDA device a call returns once the host has issued its
-    work (on the CPU it returns when the work is done)."""
-    return plan.prediction.forward_host_seconds > 0 and forward_device(plan.forward).type == "cuda"
+    work (on the CPU it returns when the work is done), as long as it launches fewer
+    than :data:`LAUNCH_QUEUE` kernels after the device was synchronized."""
+    return (
+        plan.profile.kernel_launch_seconds > 0
+        and plan.prediction.forward_host_seconds > 0
+        and sum(plan.costs.forward_launches) < LAUNCH_QUEUE
+        and forward_device(plan.forward).type == "cuda"
+    )
 
 
 def host_scale(plan: Plan, forward_host_seconds: float) -> float:
@@ -76,16 +85,20 @@ class ForwardHostClock:
     A step is counted where a backward of an earlier call has run since the call before:
     a chunk may be called several times a step (each block compiled on its own shares
     one), and its first step's calls all compile, pin host memory or grow the device's
-    pool."""
+    pool. ``drain`` runs before each timed call (the device's synchronize): a host
+    running ahead of a busy device waits whenever the launch queue is full, and its
+    time would then be the device's."""
 
     def __init__(
         self,
         forward: Callable[..., Any],
         on_measured: Callable[[float], None],
+        drain: Callable[[], None],
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.forward = forward
         self.on_measured = on_measured
+        self.drain = drain
         self.clock = clock
         self.steps = 0
         self.backwards = 0
@@ -100,6 +113,8 @@ class ForwardHostClock:
         if self.backwards > self._backwards_seen:
             self.steps += 1
             self._backwards_seen = self.backwards
+        if self.steps >= WARMUP_STEPS:
+            self.drain()
         start = self.clock()
         outputs = self.forward(*args)
         seconds = self.clock() - start

@@ -150,6 +150,21 @@ def test_no_rank_measures_where_the_partitioner_agrees_its_choices_across_ranks(
     assert plan.moved and plan.profile == FAST_HOST and not backend.host_scales
 
 
+def test_a_cuda_plan_is_timed_where_its_host_issues_each_kernel_and_not_too_many(monkeypatch):
+    model, x = _stack()
+    (plan,) = offload_pass.explain(model, x, profile=FAST_HOST).plans
+    monkeypatch.setattr(host_clock, "forward_device", lambda forward: torch.device("cuda"))
+    assert host_clock.is_timed(plan)
+    replayed = plan.profile.under_cuda_graphs()
+    assert not host_clock.is_timed(
+        dataclasses.replace(plan, costs=dataclasses.replace(plan.costs, profile=replayed))
+    ), "under CUDA graphs no launch is priced"
+    many = (1,) * host_clock.LAUNCH_QUEUE
+    assert not host_clock.is_timed(
+        dataclasses.replace(plan, costs=dataclasses.replace(plan.costs, forward_launches=many))
+    ), "a forward that fills the launch queue waits for the device"
+
+
 def test_a_plan_on_the_cpu_is_not_timed():
     """On the CPU a forward call returns when its work is done: its time is not the
     host's to issue it."""
@@ -192,13 +207,16 @@ def test_the_clock_reports_the_median_of_the_calls_from_the_third_step_on():
             now[0] += next(durations)
         return now[0]
 
-    reported = []
-    timed = host_clock.ForwardHostClock(lambda t: (t * 2,), reported.append, clock)
+    reported, drained = [], []
+    timed = host_clock.ForwardHostClock(
+        lambda t: (t * 2,), reported.append, lambda: drained.append(now[0]), clock
+    )
     for _ in range(host_clock.WARMUP_STEPS + 3):
         (first,) = timed(torch.ones(2, requires_grad=True))
         (second,) = timed(torch.ones(2, requires_grad=True))
         (first.sum() + second.sum()).backward()
     assert reported == [3.0], "once, the median of the five timed calls"
+    assert len(drained) == host_clock.TIMED_CALLS, "the device drained before each"
 
 
 def test_a_host_scale_must_be_positive():
