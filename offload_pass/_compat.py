@@ -486,6 +486,12 @@ def frame_code_being_compiled() -> types.CodeType | None:
     return getattr(tx, "f_code", None) if tx is not None else None
 
 
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (a checkpointed
+    region's forward runs again there)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def discard_compiled_code(code: types.CodeType) -> None:
     """Drop what Dynamo compiled for ``code``, so that its next call compiles again."""
     from torch._C._dynamo.eval_frame import reset_code

@@ -42,8 +42,8 @@ class OffloadBackend:
         self._compiled: dict[str, tuple[types.CodeType | None, Plan]] = {}
         self.host_scales: dict[types.CodeType, float] = {}
         """The host's price over the profile's, by frame, where ``auto`` measured it on
-        a chunk's first steps and compiled the frame again at it
-        (:mod:`offload_pass.host_clock`)."""
+        a chunk's first steps (:mod:`offload_pass.host_clock`); the frame's later
+        compiles plan at it, and are not measured again."""
 
     @property
     def plans(self) -> list[Plan]:
@@ -105,10 +105,11 @@ class OffloadBackend:
         scale = host_clock.host_scale(plan, forward_host_seconds)
         priced = host_clock.priced_at(plan, scale, self.options.in_flight_microbatches)
         tolerance = self.options.stall_tolerance
+        if code is not None:
+            self.host_scales[code] = scale
         if code is None or host_clock.keeps_its_promise(priced, tolerance):
             self._compiled[name] = (code, priced)
             return
-        self.host_scales[code] = scale
         _compat.discard_compiled_code(code)
         self.discard_frame(code)
         warnings.warn(

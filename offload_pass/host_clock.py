@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from offload_pass import _compat
 from offload_pass.graphs import forward_device
 from offload_pass.plan import Plan
 from offload_pass.simulate import simulate
@@ -85,7 +86,8 @@ class ForwardHostClock:
     A step is counted where a backward of an earlier call has run since the call before:
     a chunk may be called several times a step (each block compiled on its own shares
     one), and its first step's calls all compile, pin host memory or grow the device's
-    pool. ``drain`` runs before each timed call (the device's synchronize): a host
+    pool. A call inside a backward (a checkpointed region run again) is neither timed nor
+    counted. ``drain`` runs before each timed call (the device's synchronize): a host
     running ahead of a busy device waits whenever the launch queue is full, and its
     time would then be the device's."""
 
@@ -108,7 +110,7 @@ class ForwardHostClock:
         self._boxed_call = getattr(forward, "_boxed_call", False)
 
     def __call__(self, *args: Any) -> Any:
-        if self.samples is None:
+        if self.samples is None or _compat.in_backward():
             return self.forward(*args)
         if self.backwards > self._backwards_seen:
             self.steps += 1
@@ -128,11 +130,10 @@ class ForwardHostClock:
         return outputs
 
     def _count_backward_of(self, outputs: Any) -> None:
-        node = next(
-            (t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None),
-            None,
-        )
-        if node is not None:
+        """Hear of each backward that runs one of ``outputs``' nodes (whichever of them
+        the loss reads)."""
+        nodes = {t.grad_fn for t in outputs if isinstance(t, torch.Tensor)} - {None}
+        for node in nodes:
             node.register_hook(self._backward_ran)
 
     def _backward_ran(self, *grads: Any) -> None:

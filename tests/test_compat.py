@@ -388,6 +388,16 @@ def test_a_region_recompute_budget_is_seen_where_torch_writes_one():
     assert _compat.budget_annotated(_traced_with_meta(custom=custom))
 
 
+def test_in_backward_is_true_only_while_autograd_runs_a_backward():
+    seen = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda grad: seen.append(_compat.in_backward()))
+    assert not _compat.in_backward()
+    y.sum().backward()
+    assert seen == [True]
+
+
 def test_the_partitioners_settings_are_read_from_its_config():
     from torch._functorch import config
 

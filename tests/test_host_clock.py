@@ -118,7 +118,7 @@ def test_a_plan_within_its_tolerance_at_the_measured_price_is_kept_so_priced(mon
     for _ in range(STEPS_TO_MEASURE + 1):
         train_step(compiled, x)
     (plan,) = backend.plans
-    assert plan.moved == first.moved and not backend.host_scales
+    assert plan.moved == first.moved and list(backend.host_scales.values()) == [2.0]
     assert plan.forward is first.forward, "compiled once"
     assert plan.profile.kernel_launch_seconds == 2 * FAST_HOST.kernel_launch_seconds
     assert plan.prediction.forward_host_seconds == pytest.approx(
@@ -217,6 +217,19 @@ def test_the_clock_reports_the_median_of_the_calls_from_the_third_step_on():
         (first.sum() + second.sum()).backward()
     assert reported == [3.0], "once, the median of the five timed calls"
     assert len(drained) == host_clock.TIMED_CALLS, "the device drained before each"
+
+
+def test_a_call_inside_a_backward_is_neither_timed_nor_counted():
+    """A checkpointed region's forward runs again inside backward."""
+    reported = []
+    timed = host_clock.ForwardHostClock(lambda t: (t * 2,), reported.append, lambda: None)
+    for _ in range(host_clock.WARMUP_STEPS + host_clock.TIMED_CALLS - 1):
+        (out,) = timed(torch.ones(2, requires_grad=True))
+        out.register_hook(lambda grad: timed(torch.ones(2, requires_grad=True)) and None)
+        out.sum().backward()
+    assert reported == [], "one timed call short of the measurement"
+    assert timed.samples is not None and len(timed.samples) == host_clock.TIMED_CALLS - 1
+    assert timed.steps == host_clock.WARMUP_STEPS
 
 
 def test_a_host_scale_must_be_positive():
