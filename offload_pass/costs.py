@@ -32,12 +32,12 @@ from offload_pass.graphs import (
     fused_kernels,
     is_fusible,
     is_view,
+    keeps_element_order,
     kernels_reading,
     materializes,
     storage_root,
     tensor_bytes,
     tensor_values,
-    view_chain,
 )
 from offload_pass.profiles import DeviceProfile
 from offload_pass.timing import NodeTimer, SettledTimer
@@ -202,20 +202,6 @@ def _dying_at(last_use: dict[torch.fx.Node, int]) -> dict[int, list[torch.fx.Nod
     return dying
 
 
-_READ_IN_ORDER = frozenset(
-    {
-        torch.ops.aten.view,
-        torch.ops.aten._unsafe_view,
-        torch.ops.aten.reshape,
-        torch.ops.aten.squeeze,
-        torch.ops.aten.unsqueeze,
-        torch.ops.aten.alias,
-    }
-)
-"""Views whose elements keep their storage's order: a kernel reading its input through
-them reads element i where it writes element i."""
-
-
 def _writes_in_place(
     node: torch.fx.Node,
     donor: torch.fx.Node,
@@ -247,10 +233,6 @@ def _writes_in_place(
             readers = kernels_reading(user, kernels)
             if any(r is not node and fused.get(r, r) is kernel for r in readers):
                 return False
-            in_order = all(
-                getattr(v.target, "overloadpacket", None) in _READ_IN_ORDER
-                for v in view_chain(alias)
-            )
-            if node in readers and not in_order:
+            if node in readers and not keeps_element_order(alias):
                 return False
     return True

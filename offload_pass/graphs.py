@@ -86,6 +86,27 @@ def view_chain(node: torch.fx.Node) -> tuple[torch.fx.Node, ...]:
     return tuple(reversed(chain))
 
 
+_ORDER_KEEPING_VIEWS = frozenset(
+    {
+        torch.ops.aten.view,
+        torch.ops.aten._unsafe_view,
+        torch.ops.aten.reshape,
+        torch.ops.aten.squeeze,
+        torch.ops.aten.unsqueeze,
+        torch.ops.aten.alias,
+    }
+)
+
+
+def keeps_element_order(node: torch.fx.Node) -> bool:
+    """Whether ``node`` (a storage root, or a view of one) holds its storage's elements in
+    their order: each view between them reshapes, squeezes or aliases, none permutes,
+    slices or broadcasts. A kernel reading through it reads element i where a result of
+    the same size writes element i."""
+    chain = view_chain(node)
+    return all(getattr(v.target, "overloadpacket", None) in _ORDER_KEEPING_VIEWS for v in chain)
+
+
 def aliases(root: torch.fx.Node) -> Iterator[torch.fx.Node]:
     pending = [root]
     while pending:
