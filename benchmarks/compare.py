@@ -244,6 +244,7 @@ COLUMNS = (
     ("predicted_peak_bytes", "pred peak GiB", "gib"),
     ("pinned_allocations_after_warmup", "pinned allocs", "{}"),
     ("first_step_s", "first step s", "{:.1f}"),
+    ("settling_s", "settling s", "{:.1f}"),
 )
 
 

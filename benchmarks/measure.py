@@ -35,6 +35,8 @@ class Measurement:
     step_ms: float | None = None
     forward_ms: float | None = None
     first_step_s: float | None = None
+    settling_s: float | None = None
+    """The settling steps' time, the first step's compile and any second one included."""
     peak_bytes: int | None = None
     held_bytes: int | None = None
     bytes_moved: int | None = None
@@ -186,6 +188,8 @@ def measure(
             model.zero_grad(set_to_none=True)
             if step == 0:
                 first_step = time.perf_counter() - started
+            if step == SETTLING_STEPS - 1:
+                settling = time.perf_counter() - started
         after = pinned_allocations()
         hosts = []
         for _ in range(HOST_STEPS):
@@ -205,6 +209,7 @@ def measure(
         step_ms=statistics.median(r.seconds for r in timed) * 1e3,
         forward_ms=statistics.median(r.forward_seconds for r in timed) * 1e3,
         first_step_s=first_step,
+        settling_s=settling,
         peak_bytes=None if timed[0].peak_bytes is None else max(r.peak_bytes for r in timed),
         held_bytes=None if timed[0].held_bytes is None else max(r.held_bytes for r in timed),
         # offload_pass counts what it moves; what a peer moves is not measured here
