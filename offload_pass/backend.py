@@ -107,7 +107,7 @@ class OffloadBackend:
         tolerance = self.options.stall_tolerance
         if code is not None:
             self.host_scales[code] = scale
-        if code is None or host_clock.keeps_its_promise(priced, tolerance):
+        if code is None or priced.prediction.within(tolerance):
             self._compiled[name] = (code, priced)
             return
         _compat.discard_compiled_code(code)

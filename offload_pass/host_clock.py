@@ -8,8 +8,8 @@ than planned, a step the plan counted as the device's is the host's, and each tr
 op lengthens it: ``auto``'s promise to stay within the stall tolerance no longer holds.
 :class:`ForwardHostClock` times a compiled chunk's forward calls after their warm-up;
 :func:`host_scale` turns the time into a factor on the profile's host costs,
-:func:`priced_at` predicts the plan again at that price, and :func:`keeps_its_promise`
-says whether it still stays within the tolerance. The backend keeps the plan so priced,
+:func:`priced_at` predicts the plan again at that price, and its prediction says whether
+it still stays within the tolerance (``Prediction.within``). The backend keeps the plan so priced,
 or, where it breaks the tolerance, plans the chunk again at the measured price and
 compiles it once more (``backend.OffloadBackend``).
 """
@@ -68,13 +68,6 @@ def priced_at(plan: Plan, scale: float, in_flight: int) -> Plan:
     prediction = simulate(costs, plan.planned.transfers, in_flight)
     planned = dataclasses.replace(plan.planned, prediction=prediction)
     return dataclasses.replace(plan, costs=costs, planned=planned)
-
-
-def keeps_its_promise(plan: Plan, stall_tolerance: float) -> bool:
-    """Whether ``plan``'s transfers keep its predicted step within ``stall_tolerance`` of
-    the step with nothing moved."""
-    prediction = plan.prediction
-    return prediction.step_seconds <= (1 + stall_tolerance) * prediction.baseline_seconds
 
 
 class ForwardHostClock:

@@ -346,8 +346,7 @@ def _within_tolerance(
         return simulate(costs, transfers, request.in_flight)
 
     def too_slow(count: int) -> bool:
-        p = prediction(count)
-        return p.step_seconds > (1 + request.stall_tolerance) * p.baseline_seconds
+        return not prediction(count).within(request.stall_tolerance)
 
     if not too_slow(len(ranked)):
         return moving

@@ -93,6 +93,10 @@ class Prediction:
     def peak_saved_bytes(self) -> int:
         return self.baseline_peak_bytes - self.peak_bytes
 
+    def within(self, stall_tolerance: float) -> bool:
+        """Whether the step is within ``stall_tolerance`` of the step with nothing moved."""
+        return self.step_seconds <= (1 + stall_tolerance) * self.baseline_seconds
+
     def __str__(self) -> str:
         moved = sum(c.nbytes for c in self.copies)
         return (
