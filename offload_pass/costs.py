@@ -184,22 +184,16 @@ def _memory_events(
     # (AOTAutograd donates those to backward), but not into backward's other inputs: the
     # tangents are the caller's.
     tangents = {n for n in backward if n.op == "placeholder" and n not in received}
-    donated = {s: at for s, at in last_use.items() if s in start and s not in tangents}
-    dying = _dying_at(donated)
+    dying: dict[int, list[torch.fx.Node]] = {}  # the storages each position reads last
+    for storage, at in last_use.items():
+        if storage in start and storage not in tangents:
+            dying.setdefault(at, []).append(storage)
     for root, at in start.items():
         if any(_writes_in_place(root, d, fused, kernels) for d in dying.get(at, ())):
             nbytes = tensor_bytes(root.meta.get("val"))
             allocated[at] -= nbytes
             freed[at] -= nbytes
     return tuple(allocated), tuple(freed)
-
-
-def _dying_at(last_use: dict[torch.fx.Node, int]) -> dict[int, list[torch.fx.Node]]:
-    """The storages each position reads for the last time."""
-    dying: dict[int, list[torch.fx.Node]] = {}
-    for storage, at in last_use.items():
-        dying.setdefault(at, []).append(storage)
-    return dying
 
 
 def _writes_in_place(
