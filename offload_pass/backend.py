@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import types
 import warnings
@@ -44,6 +45,10 @@ class OffloadBackend:
         """The host's price over the profile's, by frame, where ``auto`` measured it on
         a chunk's first steps (:mod:`offload_pass.host_clock`); the frame's later
         compiles plan at it, and are not measured again."""
+        self.forwards_in_flight: dict[types.CodeType, int] = {}
+        """How many forwards of a chunk ran before a backward on its first steps, by
+        frame, where ``auto`` measured the host there; the frame's later compiles plan
+        for that many in place of ``in_flight_microbatches``."""
 
     @property
     def plans(self) -> list[Plan]:
@@ -71,7 +76,15 @@ class OffloadBackend:
             self._compiled[name] = (code, plan)
 
         host_scale = self.host_scales.get(code, 1.0) if code is not None else 1.0
-        return OffloadPartitioner(self.options, rule, name, keep, host_scale)
+        return OffloadPartitioner(self._options_for(code), rule, name, keep, host_scale)
+
+    def _options_for(self, code: types.CodeType | None) -> OffloadOptions:
+        """The options, with the forwards in flight measured for ``code``'s frame."""
+        if code not in self.forwards_in_flight:
+            return self.options
+        return dataclasses.replace(
+            self.options, in_flight_microbatches=self.forwards_in_flight[code]
+        )
 
     def _timed_forward(self, compiled: Callable[..., Any], name: str) -> Callable[..., Any]:
         """``compiled``, its host's time measured on its first calls where ``auto`` made
@@ -91,32 +104,46 @@ class OffloadBackend:
         device = forward_device(plan.forward)
         return host_clock.ForwardHostClock(
             compiled,
-            lambda seconds: self._price_host(name, seconds),
+            lambda seconds, in_flight: self._price_host(name, seconds, in_flight),
             lambda: torch.get_device_module(device).synchronize(device),
         )
 
-    def _price_host(self, name: str, forward_host_seconds: float) -> None:
-        """Keep the chunk's plan predicted at the host's measured price; where its
-        transfers break ``auto``'s stall tolerance at that price, discard its frame's
-        compiled code instead, so that its next call plans and compiles again at it."""
+    def _price_host(self, name: str, forward_host_seconds: float, forwards_in_flight: int) -> None:
+        """Keep the chunk's plan predicted at the host's measured price and for the
+        forwards measured in flight; where its transfers break ``auto``'s stall tolerance
+        at that price, or it counted another number of forwards, discard its frame's
+        compiled code instead, so that its next call plans and compiles again for them."""
         if name not in self._compiled:
             return  # its frame was discarded meanwhile (set_fraction)
         code, plan = self._compiled[name]
+        planned = self.options.in_flight_microbatches
+        in_flight = forwards_in_flight or planned
         scale = host_clock.host_scale(plan, forward_host_seconds)
-        priced = host_clock.priced_at(plan, scale, self.options.in_flight_microbatches)
+        priced = host_clock.priced_at(plan, scale, in_flight)
         tolerance = self.options.stall_tolerance
         if code is not None:
             self.host_scales[code] = scale
-        if code is None or priced.prediction.within(tolerance):
+            self.forwards_in_flight[code] = in_flight
+        reasons = []
+        if not priced.prediction.within(tolerance):
+            reasons.append(
+                f"its forward took the host {forward_host_seconds * 1e3:.2f} ms to issue, "
+                f"{scale:.2f}x what its plan priced; at that price its transfers slow the "
+                f"step by more than stall_tolerance={tolerance}"
+            )
+        if in_flight != planned:
+            reasons.append(
+                f"{in_flight} of its forwards ran before a backward, where its plan "
+                f"counted {planned} (in_flight_microbatches)"
+            )
+        if code is None or not reasons:
             self._compiled[name] = (code, priced)
             return
         _compat.discard_compiled_code(code)
         self.discard_frame(code)
         warnings.warn(
-            f"offload_pass: {name}'s forward took the host {forward_host_seconds * 1e3:.2f} ms "
-            f"to issue, {scale:.2f}x what its plan priced; at that price its transfers slow "
-            f"the step by more than stall_tolerance={tolerance}, so its frame is planned "
-            "again at that price and compiled once more",
+            f"offload_pass: {name}: {'; and '.join(reasons)}; so its frame is planned again "
+            "for what was measured and compiled once more",
             stacklevel=2,
         )
 
@@ -191,9 +218,13 @@ def backend(
         compiler: ``"inductor"``, or ``"eager"`` to run the rewritten graphs unfused.
         dump_dir: a folder to write each chunk's report, rewritten graphs and predicted
             trace into (``$OFFLOAD_PASS_DUMP`` when not given).
-        in_flight_microbatches: how many microbatches' activations a pipeline stage holds
-            at once (its warm-up depth; see :mod:`offload_pass.pipeline_parallel`); the
-            predicted peak and ``memory_budget`` count that many.
+        in_flight_microbatches: how many forwards of a chunk run before its first
+            backward: a pipeline stage's warm-up depth (see
+            :mod:`offload_pass.pipeline_parallel`), or, where each block is compiled on
+            its own, the blocks times that. The predicted peak and ``memory_budget`` count
+            that many forwards' saved memory, and where it is above 1 a copy may end under
+            the forwards after its own. ``auto`` on CUDA counts them on each chunk's first
+            steps, and the count replaces this one for that chunk.
         recompute_budget: torch's ``activation_memory_budget`` for these graphs, in
             (0, 1]: the stock partitioner first recomputes what is cheapest to recompute
             until the saved activations fit that share, and offload_pass plans what is

@@ -101,7 +101,10 @@ def _forward_runs(
         queue was to start the copy after ``t``'s (priced as planned: the copies after
         were placed at those prices): where the queue is never idle, a run that starts
         its copies later delays every copy after it. Where copies cannot overlap
-        compute, each costs the same wherever it is issued."""
+        compute, each costs the same wherever it is issued. A copy released at
+        forward's end and one waited for never share an op."""
+        if t.released != run[0].released:
+            return False
         if not costs.profile.copies_overlap_compute:
             return True
         run_totals = totals(run)

@@ -12,6 +12,12 @@ op lengthens it: ``auto``'s promise to stay within the stall tolerance no longer
 it still stays within the tolerance (``Prediction.within``). The backend keeps the plan so priced,
 or, where it breaks the tolerance, plans the chunk again at the measured price and
 compiles it once more (``backend.OffloadBackend``).
+
+The same first steps say how many forwards of the chunk run before a backward: one for a
+model compiled whole, as many as its blocks where each block is compiled on its own (they
+share one chunk), a pipeline stage's warm-up depth. The plan counts that many forwards'
+saved memory in its peak, and lets copies end under the forwards after their own
+(``Transfer.released``); where it counted another number, the backend plans it again.
 """
 
 from __future__ import annotations
@@ -72,9 +78,10 @@ def priced_at(plan: Plan, scale: float, in_flight: int) -> Plan:
 
 class ForwardHostClock:
     """A compiled chunk's forward, calling ``on_measured`` once with the median seconds
-    its calls took from its third step on (:data:`WARMUP_STEPS`, :data:`TIMED_CALLS`);
-    then only the forward. On CUDA a call returns once the host has issued the work, so
-    its wall time is the host's.
+    its calls took from its third step on (:data:`WARMUP_STEPS`, :data:`TIMED_CALLS`),
+    and the most calls a warm-up step made before a backward ran; then only the forward.
+    On CUDA a call returns once the host has issued the work, so its wall time is the
+    host's.
 
     A step is counted where a backward of an earlier call has run since the call before:
     a chunk may be called several times a step (each block compiled on its own shares
@@ -87,7 +94,7 @@ class ForwardHostClock:
     def __init__(
         self,
         forward: Callable[..., Any],
-        on_measured: Callable[[float], None],
+        on_measured: Callable[[float, int], None],
         drain: Callable[[], None],
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
@@ -98,6 +105,8 @@ class ForwardHostClock:
         self.steps = 0
         self.backwards = 0
         self._backwards_seen = 0
+        self.calls_in_step = 0
+        self.forwards_in_flight = 0
         self.samples: list[float] | None = []
         # Dynamo calls a compiled function with its inputs boxed in a list where it says so.
         self._boxed_call = getattr(forward, "_boxed_call", False)
@@ -108,26 +117,31 @@ class ForwardHostClock:
         if self.backwards > self._backwards_seen:
             self.steps += 1
             self._backwards_seen = self.backwards
+            self.calls_in_step = 0
         if self.steps >= WARMUP_STEPS:
             self.drain()
         start = self.clock()
         outputs = self.forward(*args)
         seconds = self.clock() - start
         if self.steps < WARMUP_STEPS:
-            self._count_backward_of(outputs)
+            if self._count_backward_of(outputs):
+                self.calls_in_step += 1
+                self.forwards_in_flight = max(self.forwards_in_flight, self.calls_in_step)
             return outputs
         self.samples.append(seconds)
         if len(self.samples) == TIMED_CALLS:
             samples, self.samples = self.samples, None
-            self.on_measured(statistics.median(samples))
+            self.on_measured(statistics.median(samples), self.forwards_in_flight)
         return outputs
 
-    def _count_backward_of(self, outputs: Any) -> None:
+    def _count_backward_of(self, outputs: Any) -> bool:
         """Hear of each backward that runs one of ``outputs``' nodes (whichever of them
-        the loss reads)."""
+        the loss reads); whether there is any (a call under ``no_grad`` has none, and
+        holds nothing for a backward)."""
         nodes = {t.grad_fn for t in outputs if isinstance(t, torch.Tensor)} - {None}
         for node in nodes:
             node.register_hook(self._backward_ran)
+        return bool(nodes)
 
     def _backward_ran(self, *grads: Any) -> None:
         self.backwards += 1

@@ -1,4 +1,4 @@
-"""The four graph ops of the offload contract (see docs/design.md).
+"""The graph ops of the offload contract (see docs/design.md).
 
 Every op is functional: none declares a mutation, and each returns what the next one
 consumes, so a compiler orders them by data edges alone and no functionalization pass
@@ -6,6 +6,9 @@ ever clones a tensor whose copy is in flight.
 
     ticket = offload([a, ...], layouts)                      # copy each to a new host buffer
     [h, ...] = offload_wait(ticket, [a, ...], layouts, after)  # compute waits; last use of a
+    [h, ...] = offload_release(ticket, [a, ...], layouts, after)
+                                # at forward's end, compute does not wait; a is freed
+                                # to the allocator once the copy has read it
     ticket = reload([h, ...], device, after)                 # copy each to a new device buffer
     [g, ...] = reload_wait(ticket, [h, ...], device)         # compute waits; g read from here
 
@@ -97,6 +100,14 @@ def _offload_wait_fake(
     ]
 
 
+def offload_release(
+    ticket: Tensor, tensors: Sequence[Tensor], layouts: Sequence[int], after: Sequence[Tensor]
+) -> list[Tensor]:
+    """Return the host buffers receiving ``tensors`` without making compute wait; the
+    allocator reuses ``tensors``' memory once the copies have read it."""
+    return runtime.offload_release(ticket, tensors)
+
+
 def reload(hosts: Sequence[Tensor], device: torch.device, after: Sequence[Tensor]) -> Tensor:
     """Start copying each host tensor back to ``device``."""
     return runtime.reload(hosts, device)
@@ -123,6 +134,11 @@ _define(
     offload_wait,
     _offload_wait_fake,
 )
+_define(
+    "offload_release(Tensor ticket, Tensor[] tensors, int[] layouts, Tensor[] after) -> Tensor[]",
+    offload_release,
+    _offload_wait_fake,
+)
 _define("reload(Tensor[] hosts, Device device, Tensor[] after) -> Tensor", reload, _reload_fake)
 _define(
     "reload_wait(Tensor ticket, Tensor[] hosts, Device device) -> Tensor[]",
@@ -132,9 +148,10 @@ _define(
 
 OFFLOAD = torch.ops.offload_pass.offload.default
 OFFLOAD_WAIT = torch.ops.offload_pass.offload_wait.default
+OFFLOAD_RELEASE = torch.ops.offload_pass.offload_release.default
 RELOAD = torch.ops.offload_pass.reload.default
 RELOAD_WAIT = torch.ops.offload_pass.reload_wait.default
-TRANSFERS = frozenset({OFFLOAD, OFFLOAD_WAIT, RELOAD, RELOAD_WAIT})
+TRANSFERS = frozenset({OFFLOAD, OFFLOAD_WAIT, OFFLOAD_RELEASE, RELOAD, RELOAD_WAIT})
 TICKETS = frozenset({OFFLOAD, RELOAD})
 _CPU = torch.device("cpu")
 
@@ -173,6 +190,7 @@ def _reloaded_values(ticket: Tensor, hosts: Sequence[Tensor], device: torch.devi
 NODE_VALUES: dict[object, Callable[..., object]] = {
     OFFLOAD: lambda tensors, layouts: _ticket_value(tensors),
     OFFLOAD_WAIT: _host_values,
+    OFFLOAD_RELEASE: _host_values,
     RELOAD: lambda hosts, device, after: _ticket_value(hosts),
     RELOAD_WAIT: _reloaded_values,
 }

@@ -16,7 +16,11 @@ Selection, per chunk:
 
 Placement: each offload right after its producer; its wait at the first node by which the
 copy is predicted complete (and not before the last forward use); reloads as late as they
-can start and still finish before first use, in first-use order. Where more is moved than
+can start and still finish before first use, in first-use order. Where other forwards of
+the chunk run before its backward (``in_flight`` above 1) and the copy queue keeps pace
+with them, a copy that would be waited for at forward's end is released there instead:
+compute does not wait for it, and its storage is freed once the copy has read it, under
+the next forward's compute. Where more is moved than
 the copy queues can carry in time (a share or a budget asks for it), a copy that would end
 after forward is waited for ``OVERLAP_DEPTH`` copies later, and a reload that would start
 before backward is issued ``OVERLAP_DEPTH`` reloads before its need: compute then waits
@@ -79,9 +83,10 @@ class Decision:
 @dataclasses.dataclass(frozen=True)
 class Request:
     """What the planner is asked for, per chunk: each candidate's owner and share (None:
-    the mode decides), the mode's settings, and how many microbatches a pipeline stage
-    holds at once (``in_flight``), which multiplies what is held between forward and
-    backward in the predicted peak."""
+    the mode decides), the mode's settings, and how many forwards of the chunk run
+    before its first backward (``in_flight``: a pipeline stage's microbatches, blocks
+    compiled each on their own), which multiplies what is held between forward and
+    backward in the predicted peak, and lets copies end under the forwards that follow."""
 
     owners: dict[str, tuple[str, float | None]]
     min_bytes: int
@@ -113,14 +118,17 @@ class ChunkPlan:
 @dataclasses.dataclass(frozen=True)
 class _Clocks:
     """Compute times with nothing moved (the host's issuing included): forward node
-    ends, backward node starts from backward's start."""
+    ends, backward node starts from backward's start. ``followed``: other forwards of
+    the chunk run before its backward (``in_flight`` above 1), under whose compute a
+    copy may end, where copies overlap compute at all."""
 
     forward_end: tuple[float, ...]
     backward_start: tuple[float, ...]
     first_backward_compute: int
+    followed: bool = False
 
     @classmethod
-    def of(cls, costs: ChunkCosts) -> _Clocks:
+    def of(cls, costs: ChunkCosts, in_flight: int = 1) -> _Clocks:
         forward_starts, backward_starts = unhindered_starts(costs)
         forward_end = tuple(map(operator.add, forward_starts, costs.forward_seconds))
         backward_start = forward_end[-1] if forward_end else 0.0
@@ -128,6 +136,7 @@ class _Clocks:
             forward_end,
             tuple(start - backward_start for start in backward_starts),
             costs.backward_inputs,
+            in_flight > 1 and costs.profile.copies_overlap_compute,
         )
 
     @property
@@ -144,8 +153,9 @@ class _Clocks:
 
 def _wait_positions(
     groups: Sequence[SavedGroup], costs: ChunkCosts, clocks: _Clocks, depth: int
-) -> dict[str, int]:
-    """Each offload_wait at the first node by which its copy is done, queued in order.
+) -> tuple[dict[str, int], set[str]]:
+    """Each offload_wait at the first node by which its copy is done, queued in order;
+    and the copies released at forward's end instead (``_released``).
 
     A copy that cannot finish within forward even as predicted is waited for where the
     copy ``depth`` later is produced: forward slows to the copy rate, but frees its
@@ -155,13 +165,39 @@ def _wait_positions(
     order = sorted(groups, key=lambda g: g.produced_at)
     predicted = _offload_ends(order, costs, clocks, 1.0)
     margined = _offload_ends(order, costs, clocks, OFFLOAD_MARGIN)
+    released = _released(order, predicted, margined, costs, clocks)
     wait_at = {}
     for i, g in enumerate(order):
         done = bisect.bisect_left(clocks.forward_end, margined[i], lo=g.last_forward_use)
-        if predicted[i] > clocks.forward_seconds and i + depth < len(order):
+        if g.root in released:
+            done = last_forward
+        elif predicted[i] > clocks.forward_seconds and i + depth < len(order):
             done = max(g.last_forward_use, order[i + depth].produced_at)
         wait_at[g.root] = min(done, last_forward)
-    return wait_at
+    return wait_at, released
+
+
+def _released(
+    order: Sequence[SavedGroup],
+    predicted: Sequence[float],
+    margined: Sequence[float],
+    costs: ChunkCosts,
+    clocks: _Clocks,
+) -> set[str]:
+    """The copies that would be waited for at forward's end, where the next forward can
+    take them: their offload_release hands the host buffer on at forward's end without
+    making compute wait, and each storage is freed once its copy has read it.
+
+    Only where the queue keeps pace with the forwards that follow: the chunk's copies
+    take the device-to-host queue no longer than its forward, and each ends within the
+    next forward. Then each forward's copies end under the next one's compute, however
+    many run: a forward finds the queue busy with the last one's copies for less than
+    its own length. Otherwise none is released, and forward waits for each copy."""
+    seconds = sum(costs.offload_seconds(g.nbytes) for g in order)
+    forward = clocks.forward_seconds
+    if not clocks.followed or seconds > forward or max(predicted, default=0.0) > 2 * forward:
+        return set()
+    return {g.root for g, end in zip(order, margined, strict=True) if end > forward}
 
 
 def _offload_ends(
@@ -239,7 +275,7 @@ def _reload_starts(
 def place(
     groups: Sequence[SavedGroup], costs: ChunkCosts, clocks: _Clocks, depth: int = OVERLAP_DEPTH
 ) -> list[Transfer]:
-    wait_at = _wait_positions(groups, costs, clocks, depth)
+    wait_at, released = _wait_positions(groups, costs, clocks, depth)
     reload_at = _reload_positions(groups, costs, clocks, depth)
     return [
         Transfer(
@@ -249,6 +285,7 @@ def place(
             wait_at[g.root],
             reload_at[g.root],
             g.first_backward_use,
+            g.root in released,
         )
         for g in sorted(groups, key=lambda g: g.produced_at)
     ]
@@ -264,18 +301,25 @@ def _hides(
     """The candidates ``auto`` moves alongside ``forced``.
 
     Forward: an offload must finish before forward does; one that finishes later is
-    waited for at forward's end, still held at the peak there, and saves nothing.
+    waited for at forward's end, still held at the peak there, and saves nothing. Where
+    other forwards follow (``_Clocks.followed``), it may end within the next forward, as
+    long as the copies take the queue no longer than one forward (``_released``).
     Backward: reloads may make compute wait up to ``tolerance`` of the step in all.
     """
     if not costs.profile.copies_overlap_compute:
         return set()
     forced_roots = {g.root for g in forced}
+    forward = clocks.forward_seconds
+    due = 2 * forward if clocks.followed else forward
     queue = CopyQueue()
+    busy = 0.0
     forward_ok = []
     for g in sorted([*candidates, *forced], key=lambda g: g.produced_at):
         ready, seconds = clocks.forward_end[g.produced_at], costs.offload_seconds(g.nbytes)
-        if g.root in forced_roots or queue.start_of(ready) + seconds <= clocks.forward_seconds:
+        keeps_pace = queue.start_of(ready) + seconds <= due and busy + seconds <= forward
+        if g.root in forced_roots or keeps_pace:
             queue.push(ready, seconds)
+            busy += seconds
             forward_ok.append(g)
 
     allowance = tolerance * (sum(costs.forward_seconds) + sum(costs.backward_seconds))
@@ -412,7 +456,7 @@ def _budget_bytes(request: Request, costs: ChunkCosts) -> int | None:
 
 
 def plan_offloads(groups: Sequence[SavedGroup], costs: ChunkCosts, request: Request) -> ChunkPlan:
-    clocks = _Clocks.of(costs)
+    clocks = _Clocks.of(costs, request.in_flight)
     candidates = [g for g in groups if g.fixed_reason is None and g.nbytes >= request.min_bytes]
     shared = [g for g in candidates if request.owners[g.root][1] is not None]
     by_mode = [g for g in candidates if request.owners[g.root][1] is None]

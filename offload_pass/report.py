@@ -209,6 +209,9 @@ class ModelReport:
 STREAM_NOTES = {
     "offload_pass.offload.default": "device-to-host stream: waits for compute to here, copies",
     "offload_pass.offload_wait.default": "compute waits for that copy; frees the device tensor",
+    "offload_pass.offload_release.default": (
+        "compute does not wait; the device tensor is freed once its copy has read it"
+    ),
     "offload_pass.reload.default": "host-to-device stream: waits for compute and the offload",
     "offload_pass.reload_wait.default": "compute waits for the reload",
 }

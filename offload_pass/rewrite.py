@@ -2,7 +2,8 @@
 
 Forward: ``ticket = offload([a, ...])`` after the last producer of a bucket (the storages
 the plan places at the same nodes), ``[h, ...] = offload_wait(ticket, [a, ...])`` where
-placed, and each ``h`` replaces the saved values of its storage in the outputs.
+placed (``offload_release`` at forward's end for a released bucket), and each ``h``
+replaces the saved values of its storage in the outputs.
 Backward: the saved-value inputs become one host input per storage, ``ticket =
 reload([h, ...])`` and ``[g, ...] = reload_wait(ticket, [h, ...])`` go where placed, and
 each saved view is applied again to its ``g`` (with symbolic sizes computed from
@@ -82,15 +83,16 @@ def _as_tensor(node: torch.fx.Node) -> torch.fx.Node | None:
 @dataclasses.dataclass(frozen=True)
 class _Sites:
     """One moved storage's nodes: its producer, the kernels reading it, the node its
-    bucket's offload follows and the node its wait follows, in forward; the node its
-    bucket's reload precedes and the node its wait precedes, and the inputs receiving
-    its saved values, in backward."""
+    bucket's offload follows and the node its wait (or release) follows, in forward; the
+    node its bucket's reload precedes and the node its wait precedes, and the inputs
+    receiving its saved values, in backward."""
 
     group: SavedGroup
     root: torch.fx.Node
     readers: tuple[torch.fx.Node, ...]
     offload_after: torch.fx.Node
     wait_after: torch.fx.Node
+    released: bool
     reload_before: torch.fx.Node
     first_use: torch.fx.Node
     members: tuple[torch.fx.Node, ...]
@@ -117,6 +119,7 @@ def _resolve(
                 tuple(by_name[r] for r in group.forward_readers),
                 forward[t.offload_at],
                 forward[t.wait_at],
+                t.released,
                 backward[t.reload_at],
                 backward[t.need_at],
                 members,
@@ -227,10 +230,10 @@ def _past_offloads(node: torch.fx.Node) -> torch.fx.Node:
 def rewrite_forward(
     forward: torch.fx.GraphModule, sites: Sequence[_Sites], num_forward_outputs: int
 ) -> dict[torch.fx.Node, torch.fx.Node]:
-    """Insert offload and offload_wait, one of each per bucket; return the host node of
-    each moved root."""
+    """Insert offload and offload_wait (or offload_release), one of each per bucket;
+    return the host node of each moved root."""
     graph = forward.graph
-    buckets = _buckets(sites, "offload_after", "wait_after")
+    buckets = _buckets(sites, "offload_after", "wait_after", "released")
     tickets: dict[torch.fx.Node, torch.fx.Node] = {}
     for bucket in buckets:
         roots = [s.root for s in bucket]
@@ -245,8 +248,9 @@ def rewrite_forward(
         roots = [s.root for s in bucket]
         ticket = tickets[roots[0]]
         args = (ticket, roots, ticket.args[1], after)
+        op = ops.OFFLOAD_RELEASE if bucket[0].released else ops.OFFLOAD_WAIT
         with graph.inserting_after(_past_offloads(bucket[0].wait_after)):
-            wait = _add_node(graph, ops.OFFLOAD_WAIT, args, roots[0])
+            wait = _add_node(graph, op, args, roots[0])
         host.update(zip(roots, _unpacked(graph, wait, roots), strict=True))
 
     output = graph.output_node()

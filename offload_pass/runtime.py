@@ -225,11 +225,29 @@ def offload_wait(ticket: torch.Tensor, device: torch.device) -> list[torch.Tenso
         return _wait(_redeem(_pending_offloads, ticket, "offload_wait"), device)
 
 
+def offload_release(ticket: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The host buffers of the copies ``ticket`` names, handed on without making compute
+    wait for them: their copies go on under the compute that follows (other forwards of
+    the chunk). Each of ``tensors``, the device tensors they read, is recorded on the
+    device-to-host stream, so that the allocator hands its memory out again only once the
+    copy has read it; a reload waits for the copy whoever issues it
+    (:func:`wait_for_offload`)."""
+    device = _one_device(tensors, "offload_release")
+    with _nvtx_range("offload_release", device):
+        copy = _redeem(_pending_offloads, ticket, "offload_release")
+        if device.type == "cuda":
+            stream = copy_streams(device).device_to_host
+            for a in tensors:
+                a.record_stream(stream)
+        return list(copy.buffers)
+
+
 def wait_for_offload(stream: torch.cuda.Stream, h: torch.Tensor) -> None:
     """The reload's copy stream never reads a host buffer still being filled.
 
-    In a graph this holds already (``h`` exists only after its offload_wait, and the copy
-    stream waits for compute); the event makes it hold for any caller.
+    After an offload_wait this holds already (``h`` exists only after it, and the copy
+    stream waits for compute); after an offload_release it holds only by this event,
+    which makes it hold for any caller.
     """
     event = _offload_done.get(h.untyped_storage().data_ptr())
     if event is not None:

@@ -4,8 +4,9 @@ the two copy queues, and the device memory timeline.
 Each copy queue is one FIFO stream. An offload starts when both its producer has run and
 the device-to-host queue is free; a reload when it is issued, the host-to-device queue is
 free and its offload has finished. The compute stream stalls at a wait whose copy has not
-finished. Where copies do not overlap compute (CPU) each copy stalls compute for its whole
-duration. The host issues every kernel and transfer op in graph order, each at its cost
+finished; a released copy (``Transfer.released``) makes it wait for nothing, and its
+reload starts no earlier than it ends. Where copies do not overlap compute (CPU) each copy
+stalls compute for its whole duration. The host issues every kernel and transfer op in graph order, each at its cost
 in the device profile; nothing starts on the device before the host has issued it, so
 where the host is slower than the device (short kernels), each transfer op lengthens
 the step by its host cost.
@@ -29,7 +30,14 @@ from offload_pass.units import format_bytes, format_seconds
 class Transfer:
     """One moved storage, by position: offload after forward node ``offload_at``,
     offload_wait after forward node ``wait_at``, reload before backward node ``reload_at``,
-    reload_wait before backward node ``need_at``."""
+    reload_wait before backward node ``need_at``.
+
+    A ``released`` storage's copy outlives its forward: at forward's end (``wait_at``) an
+    offload_release, not an offload_wait, hands its host buffer on without making compute
+    wait, and the allocator reuses the storage once the copy has read it. Only where other
+    forwards of the chunk run before its backward (``in_flight`` above 1: a pipeline
+    stage's microbatches, blocks compiled each on their own), under whose compute the copy
+    ends."""
 
     root: str
     nbytes: int
@@ -37,6 +45,7 @@ class Transfer:
     wait_at: int
     reload_at: int
     need_at: int
+    released: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,9 +244,12 @@ class MemoryTimeline:
     the peak would be with one of them kept on the device instead, without building the
     timeline again.
 
-    The peak counts ``in_flight - 1`` other microbatches' forwards done and their
-    backwards pending (a pipeline stage's warm-up), each holding what this one holds
-    between its forward and backward.
+    The peak counts ``in_flight - 1`` other forwards of the chunk done and their
+    backwards pending (a pipeline stage's warm-up, blocks compiled each on their own),
+    each holding what this one holds between its forward and backward, less its
+    released storages: their copies end under the next forward's compute. This one's
+    peak counts its own released storages as held: it may be the last forward before
+    its backward, whose copies have nothing after them to end under.
     """
 
     def __init__(
@@ -246,14 +258,16 @@ class MemoryTimeline:
         allocated = list(costs.allocated)
         freed = list(costs.freed)
         for t in transfers:
-            freed[t.wait_at] += t.nbytes
-            allocated[costs.num_forward + t.reload_at] += t.nbytes
+            if not t.released:
+                freed[t.wait_at] += t.nbytes
+                allocated[costs.num_forward + t.reload_at] += t.nbytes
         net = (a - f for a, f in zip(allocated, freed, strict=True))
         held = list(itertools.accumulate(net, initial=0))
         live = [before + a for before, a in zip(held, allocated, strict=False)]
         self.live = RangeAddMax(live)
         self.top = max(live, default=0)
-        self.held_between = held[costs.num_forward]
+        released = sum(t.nbytes for t in transfers if t.released)
+        self.held_between = held[costs.num_forward] - released
         self.resident = costs.resident_bytes
         self.in_flight = in_flight
         self.num_forward = costs.num_forward
@@ -263,7 +277,10 @@ class MemoryTimeline:
         return self.resident + (self.in_flight - 1) * self.held_between + self.top
 
     def _away(self, t: Transfer) -> tuple[int, int]:
-        """The positions ``[start, stop)`` at which ``t``'s storage is off the device."""
+        """The positions ``[start, stop)`` at which ``t``'s storage is off the device in
+        this forward's own timeline (none where it is released)."""
+        if t.released:
+            return 0, 0
         return t.wait_at + 1, self.num_forward + t.reload_at
 
     def peak_without(self, t: Transfer) -> int:
@@ -348,7 +365,8 @@ def _run(costs: ChunkCosts, transfers: Sequence[Transfer]) -> _Timeline:
     streams = _Streams(costs.profile)
     profile = costs.profile
     copies = {t.root: _Copy(t) for t in transfers}
-    waits, needs = _by(transfers, "wait_at"), _by(transfers, "need_at")
+    waits = _by([t for t in transfers if not t.released], "wait_at")
+    needs = _by(transfers, "need_at")
     offloads = _with_host_seconds(
         _by(transfers, "offload_at"),
         "wait_at",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -196,6 +197,10 @@ def test_the_forward_host_time_counts_forward_launches_and_offload_ops():
     assert host_clock.host_scale(plan, 2 * plan.prediction.forward_host_seconds) == 2.0
 
 
+def _reported(into: list) -> Callable[[float, int], None]:
+    return lambda seconds, in_flight: into.append((seconds, in_flight))
+
+
 def test_the_clock_reports_the_median_of_the_calls_from_the_third_step_on():
     """Two calls a step (two blocks sharing one compiled chunk); a step begins where a
     backward has run since the call before."""
@@ -209,20 +214,45 @@ def test_the_clock_reports_the_median_of_the_calls_from_the_third_step_on():
 
     reported, drained = [], []
     timed = host_clock.ForwardHostClock(
-        lambda t: (t * 2,), reported.append, lambda: drained.append(now[0]), clock
+        lambda t: (t * 2,), _reported(reported), lambda: drained.append(now[0]), clock
     )
     for _ in range(host_clock.WARMUP_STEPS + 3):
         (first,) = timed(torch.ones(2, requires_grad=True))
         (second,) = timed(torch.ones(2, requires_grad=True))
         (first.sum() + second.sum()).backward()
-    assert reported == [3.0], "once, the median of the five timed calls"
+    assert reported == [(3.0, 2)], "once: the median of the five timed calls, two in flight"
     assert len(drained) == host_clock.TIMED_CALLS, "the device drained before each"
+
+
+def test_the_clock_counts_the_forwards_run_before_a_backward():
+    """Four blocks sharing one chunk hold four forwards; a backward after each forward
+    (accumulating gradients) holds one; a call under no_grad holds none."""
+
+    def forwards_in_flight(blocks: int, backward_each: bool) -> int:
+        reported: list = []
+        timed = host_clock.ForwardHostClock(lambda t: (t * 2,), _reported(reported), lambda: None)
+        while not reported:
+            with torch.no_grad():
+                timed(torch.ones(2, requires_grad=True))
+            outs = []
+            for _ in range(blocks):
+                (out,) = timed(torch.ones(2, requires_grad=True))
+                outs.append(out)
+                if backward_each:
+                    out.sum().backward()
+            if not backward_each:
+                sum(out.sum() for out in outs).backward()
+        ((_, in_flight),) = reported
+        return in_flight
+
+    assert forwards_in_flight(4, backward_each=False) == 4
+    assert forwards_in_flight(4, backward_each=True) == 1
 
 
 def test_a_call_inside_a_backward_is_neither_timed_nor_counted():
     """A checkpointed region's forward runs again inside backward."""
     reported = []
-    timed = host_clock.ForwardHostClock(lambda t: (t * 2,), reported.append, lambda: None)
+    timed = host_clock.ForwardHostClock(lambda t: (t * 2,), _reported(reported), lambda: None)
     for _ in range(host_clock.WARMUP_STEPS + host_clock.TIMED_CALLS - 1):
         (out,) = timed(torch.ones(2, requires_grad=True))
         out.register_hook(lambda grad: timed(torch.ones(2, requires_grad=True)) and None)

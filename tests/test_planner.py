@@ -240,6 +240,7 @@ def test_host_time_hidden_behind_the_device_costs_nothing():
 def test_the_peak_without_one_transfer_is_that_of_the_others(in_flight):
     groups = [group(0, 4 * MB), group(1, 3 * MB), group(4, 2 * MB), group(8, MB)]
     result = plan(groups, share=1.0, in_flight=in_flight)
+    assert any(t.released for t in result.transfers) == (in_flight > 1)
     costs = chunk(groups)
     memory = MemoryTimeline(costs, result.transfers, in_flight)
     assert memory.peak == result.prediction.peak_bytes
@@ -478,3 +479,56 @@ def test_a_budget_counts_the_microbatches_in_flight():
     result = plan(THREE, budget=18 * MB, in_flight=2)
     assert moved(result) == ["a0"]
     assert result.prediction.peak_bytes == 8 * MB + 8 * MB
+
+
+LATE = dataclasses.replace(group(8, 2 * MB), first_backward_use=NODES - 1)
+"""Made by forward's node 8, read by backward's node 9: its copy, 9 to 11 ms, would end
+after forward, and its reload hides under backward."""
+
+
+def test_a_copy_ends_under_the_next_forward_where_one_follows():
+    # Alone, a8 would be waited for at forward's end and save nothing. With a second
+    # forward of the chunk before backward, it is released at forward's end: compute does
+    # not wait, and the other forward's a8 is freed once its copy has read it.
+    groups = [group(0, 4 * MB), LATE]
+    assert reasons(plan(groups)) == {"a0": MOVED, "a8": WOULD_NOT_HIDE}
+    result = plan(groups, in_flight=2)
+    assert reasons(result) == {"a0": MOVED, "a8": MOVED}
+    placed = {t.root: t for t in result.transfers}
+    assert not placed["a0"].released and placed["a0"].wait_at == 5
+    assert placed["a8"].released and placed["a8"].wait_at == NODES - 1, "at forward's end"
+    copies = {c.root: c for c in result.prediction.copies}
+    assert copies["a8"].offload_end == pytest.approx(11 * MS)
+    assert result.prediction.stall_seconds == 0
+    assert result.prediction.step_seconds == pytest.approx(20 * MS)
+    # Each forward holds a0 and a8 (6 MB) at its end with nothing moved. This one's own
+    # top is 6 MB (a8 held, as if no forward followed it; a0 reloaded beside it); the
+    # other forward holds nothing once its copies are read.
+    assert result.prediction.baseline_peak_bytes == 12 * MB
+    assert result.prediction.peak_bytes == 6 * MB
+    assert peak_bytes(chunk(groups), [placed["a0"]], 2) == 8 * MB, "a8 kept"
+    waited = [dataclasses.replace(t, released=False) for t in result.transfers]
+    assert simulate(chunk(groups), waited, 2).forward_seconds == pytest.approx(11 * MS)
+
+
+def test_no_copy_is_released_where_the_queue_cannot_keep_pace_with_the_forwards():
+    # 18 ms of copies for each 10 ms forward: each forward's copies would end ever later.
+    alone, followed = plan(NINE, share=1.0), plan(NINE, share=1.0, in_flight=2)
+    assert not any(t.released for t in followed.transfers)
+    assert followed.transfers == alone.transfers
+
+
+def test_copies_cannot_be_released_where_they_cannot_overlap_compute():
+    cpu_like = dataclasses.replace(PROFILE, copies_overlap_compute=False)
+    result = plan([group(0, 4 * MB), LATE], share=1.0, profile=cpu_like, in_flight=2)
+    assert len(result.transfers) == 2 and not any(t.released for t in result.transfers)
+
+
+@pytest.mark.parametrize("released", [False, True])
+def test_a_released_copy_stalls_no_forward_and_its_reload_waits_for_it(released):
+    # a8's copy runs 9 to 11 ms; backward starts at 10 ms and needs it at its node 2.
+    t = Transfer("a8", 2 * MB, 8, NODES - 1, 1, 2, released)
+    prediction = simulate(chunk([LATE]), [t], 2)
+    (copy,) = prediction.copies
+    assert prediction.forward_seconds == pytest.approx((10 if released else 11) * MS)
+    assert copy.reload_start == pytest.approx(copy.offload_end) == pytest.approx(11 * MS)
