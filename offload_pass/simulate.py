@@ -6,10 +6,10 @@ the device-to-host queue is free; a reload when it is issued, the host-to-device
 free and its offload has finished. The compute stream stalls at a wait whose copy has not
 finished; a released copy (``Transfer.released``) makes it wait for nothing, and its
 reload starts no earlier than it ends. Where copies do not overlap compute (CPU) each copy
-stalls compute for its whole duration. The host issues every kernel and transfer op in graph order, each at its cost
-in the device profile; nothing starts on the device before the host has issued it, so
-where the host is slower than the device (short kernels), each transfer op lengthens
-the step by its host cost.
+stalls compute for its whole duration. The host issues every kernel and transfer op in
+graph order, each at its cost in the device profile; nothing starts on the device before
+the host has issued it, so where the host is slower than the device (short kernels),
+each transfer op lengthens the step by its host cost.
 """
 
 from __future__ import annotations

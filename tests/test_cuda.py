@@ -121,6 +121,72 @@ def test_without_record_stream_an_unwaited_reload_overwrites_a_new_tensor(monkey
     assert torch.count_nonzero(fresh) > 0
 
 
+def _released_then_reused() -> tuple[bool, bool]:
+    """An offload released while its copy is stalled, its device tensor dropped, then a
+    fresh tensor of the same size from the compute stream: (the copy was still stalled
+    when the fresh tensor was made, the host buffer holds the released tensor's values)."""
+    a = torch.randn(64 * 2**20, device="cuda")  # 256 MiB
+    expected = a.cpu()
+    layouts = [0]
+    others = [torch.zeros_like(a)]
+    ops.offload_wait(ops.offload(others, layouts), others, layouts, [])  # pinned, reused
+    del others
+    torch.cuda.synchronize()
+    _stall(runtime.copy_streams(a.device).device_to_host)
+    ticket = ops.offload([a], layouts)
+    (h,) = ops.offload_release(ticket, [a], layouts, [])
+    stalled = not runtime._offload_done[h.untyped_storage().data_ptr()].query()
+    del a, ticket
+    fresh = torch.zeros(64 * 2**20, device="cuda")
+    torch.cuda.synchronize()
+    del fresh
+    return stalled, torch.equal(h, expected)
+
+
+def test_a_released_tensor_is_reused_only_once_its_copy_has_read_it():
+    stalled, same = _released_then_reused()
+    assert stalled, "the stall did not take effect"
+    assert same
+
+
+def test_without_record_stream_a_released_tensor_is_overwritten_before_its_copy(monkeypatch):
+    """The check above can fail: without the record, the allocator hands the released
+    tensor's memory out while the copy has yet to read it."""
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    stalled, same = _released_then_reused()
+    assert stalled, "the stall did not take effect"
+    assert not same
+
+
+def test_gradients_exact_when_released_copies_are_stalled_under_the_next_forward():
+    """Two microbatches' forwards, then both backwards, with a plan that releases a copy
+    at forward's end; the device-to-host stream stalled through both forwards."""
+    model = _blocks(depth=1)
+    backend = offload_pass.backend(
+        fraction=1.0, profile=models.H200_QUICK_COPIES, in_flight_microbatches=2
+    )
+    compiled = torch.compile(model, backend=backend)
+    xs = [torch.randn(2, 512, 256, device="cuda") for _ in range(2)]
+
+    def step(stalled: bool) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+        inputs = [x.clone().requires_grad_() for x in xs]
+        torch.cuda.synchronize()
+        if stalled:
+            _stall(runtime.copy_streams(xs[0].device).device_to_host)
+        loss = sum(total(compiled(x)) for x in inputs)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return grads, [x.grad for x in inputs]
+
+    expected_grads, expected_x_grads = step(stalled=False)
+    assert any(t.released for t in backend.plans[0].planned.transfers)
+    grads, x_grads = step(stalled=True)
+    for name, grad in grads.items():
+        assert torch.equal(grad, expected_grads[name]), name
+    assert all(torch.equal(a, b) for a, b in zip(x_grads, expected_x_grads, strict=True))
+
+
 def _moved_from_a_stalled_callers_stream() -> tuple[bool, bool, bool]:
     """(the caller's stream stayed current through the ops, the host buffer holds what the
     caller's stream wrote, the reload does): a tensor written on a stalled stream of the

@@ -268,3 +268,40 @@ def test_a_host_scale_must_be_positive():
     scaled = BUILT_IN["h200"].with_host_measured(2.0)
     assert scaled.reload_host_seconds == 2 * BUILT_IN["h200"].reload_host_seconds
     assert scaled.matmul_flops == BUILT_IN["h200"].matmul_flops
+
+
+def test_blocks_compiled_each_on_their_own_are_planned_again_for_the_forwards_they_hold(
+    monkeypatch,
+):
+    """Four blocks share one chunk, whose first steps run four forwards before a
+    backward: its plan counted one, so the chunk is planned again for four."""
+    monkeypatch.setattr(host_clock, "is_timed", lambda plan: True)
+    monkeypatch.setattr(host_clock, "host_scale", lambda plan, seconds: 1.0)
+    torch.manual_seed(0)
+    model, x = models.BlockStack(dim=256, heads=4, depth=4), torch.randn(2, 512, 256)
+    expected = train_step(model, x)
+    backend = offload_pass.backend(profile=FAST_HOST, compiler="eager")
+    offload_pass.compile_regions(model, backend)
+    train_step(model, x)
+    (first,) = backend.plans
+    counted = "4 of its forwards ran before a backward, where its plan counted 1"
+    with pytest.warns(UserWarning, match=counted) as warned:
+        for _ in range(STEPS_TO_MEASURE - 1):
+            train_step(model, x)
+    assert "what its plan priced" not in str(warned[0].message), "the host kept its price"
+    assert list(backend.forwards_in_flight.values()) == [4]
+
+    loss, grads, x_grad = train_step(model, x)
+    (again,) = backend.plans
+    per_forward = first.prediction.baseline_peak_bytes - first.costs.resident_bytes
+    assert again.prediction.baseline_peak_bytes > first.prediction.baseline_peak_bytes
+    assert again.prediction.baseline_peak_bytes < 4 * per_forward + first.costs.resident_bytes
+    torch.testing.assert_close(loss, expected[0])
+    torch.testing.assert_close(x_grad, expected[2])
+    for name, grad in expected[1].items():
+        torch.testing.assert_close(grads[name], grad)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(host_clock.SETTLING_STEPS):
+            train_step(model, x)
+    assert backend.plans == [again], "counted once, compiled once more"

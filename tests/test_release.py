@@ -3,8 +3,6 @@ backward (``in_flight_microbatches`` above 1): the rewritten graphs and the grad
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
@@ -14,14 +12,7 @@ from offload_pass import ops
 from tests import models
 from tests.conftest import assert_same_step, compiled_pair, train_step
 
-QUICK_COPIES = dataclasses.replace(
-    models.H200_INSTANT_HOST,
-    name="h200, instant host, copies out 8x as fast",
-    device_to_host=8 * models.H200_INSTANT_HOST.device_to_host,
-)
-"""Rates at which moving every activation of one small block takes its device-to-host
-queue 36 us of a 48 us forward, the last copy ending after forward: held by one forward,
-that copy is waited for at its end; followed by another forward, it is released."""
+QUICK_COPIES = models.H200_QUICK_COPIES
 
 
 def _block() -> torch.nn.Module:
