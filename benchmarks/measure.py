@@ -128,21 +128,27 @@ def host_seconds(forward: Any, x: Any, device: torch.device) -> float | None:
 
 
 def _predictions(shared: dict[str, Any]) -> dict[str, Any]:
-    """What the plans predict, where they cover the whole step: one chunk's plan run once
-    per block covers only that block (``shared["whole_step"]`` False)."""
+    """What the plans predict, where they cover the whole step. One chunk's plan run once
+    per block (``shared["whole_step"]`` False) times only that block, and predicts the
+    peak of the blocks' part of the step alone; its saving counts every block's forward
+    (the plan's ``in_flight``), and is the step's where the rest of the model holds as
+    much at that peak with or without offloading."""
     backend = shared.get("backend")
     if backend is None or not backend.plans:
         return {}
     plans = backend.plans
+    saving = {
+        "predicted_peak_saved_bytes": max(p.prediction.baseline_peak_bytes for p in plans)
+        - max(p.prediction.peak_bytes for p in plans),
+        "moved_names": tuple(d.group.root for p in plans for d in p.moved),
+    }
     if not shared.get("whole_step", True):
-        return {"moved_names": tuple(d.group.root for p in plans for d in p.moved)}
+        return saving
     return {
         "predicted_step_ms": sum(p.prediction.step_seconds for p in plans) * 1e3,
         "predicted_forward_ms": sum(p.prediction.forward_seconds for p in plans) * 1e3,
         "predicted_peak_bytes": max(p.prediction.peak_bytes for p in plans),
-        "predicted_peak_saved_bytes": max(p.prediction.baseline_peak_bytes for p in plans)
-        - max(p.prediction.peak_bytes for p in plans),
-        "moved_names": tuple(d.group.root for p in plans for d in p.moved),
+        **saving,
         "transfer_ops": sum(p.offload_ops + p.reload_ops for p in plans),
         "predicted_host_ms": sum(p.prediction.host_seconds for p in plans) * 1e3,
     }

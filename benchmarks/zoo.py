@@ -246,17 +246,21 @@ def _partitioner_budget(task: nn.Module, shared: dict[str, Any]) -> Forward:
     return run
 
 
-BlockBackend = Callable[[dict[str, Any]], Any]
-"""The backend every block of one run compiles with (one object, so its plans add up)."""
+BlockBackend = Callable[[dict[str, Any], int], Any]
+"""The backend every block of one run compiles with (one object, so its plans add up),
+given the number of blocks."""
 
 
-def _stock_blocks(shared: dict[str, Any]) -> Any:
+def _stock_blocks(shared: dict[str, Any], blocks: int) -> Any:
     return "inductor"
 
 
 def _our_blocks(**options: Any) -> BlockBackend:
-    def make(shared: dict[str, Any]) -> Any:
-        shared["backend"] = offload_pass.backend(**options)
+    """offload_pass for blocks compiled each on their own: one chunk, whose forward runs
+    once per block before any backward (``in_flight_microbatches``)."""
+
+    def make(shared: dict[str, Any], blocks: int) -> Any:
+        shared["backend"] = offload_pass.backend(in_flight_microbatches=blocks, **options)
         shared["whole_step"] = False
         return shared["backend"]
 
@@ -269,8 +273,9 @@ def _per_block(
     """Each block compiled in place; the rest of the model runs eagerly."""
 
     def prepare(task: nn.Module, shared: dict[str, Any]) -> Forward:
-        chosen = backend(shared)
-        for block in blocks(task):
+        compiled = blocks(task)
+        chosen = backend(shared, len(compiled))
+        for block in compiled:
             block.compile(backend=chosen)
         return task
 

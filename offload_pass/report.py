@@ -70,6 +70,7 @@ class Row:
 def plan_rows(plan: Plan) -> list[Row]:
     rows = []
     copies = plan.copies_by_root()
+    released = {t.root for t in plan.planned.transfers if t.released}
     for d in plan.decisions:
         copy = copies.get(d.group.root)
         rows.append(
@@ -81,7 +82,7 @@ def plan_rows(plan: Plan) -> list[Row]:
                 dtype=str(d.group.dtype).removeprefix("torch."),
                 nbytes=d.group.nbytes,
                 moved=d.moved,
-                reason=_reason(d),
+                reason=_reason(d, d.group.root in released),
                 copy_seconds=None if copy is None else copy.copy_seconds,
                 hidden_share=None if copy is None else copy.hidden_share,
             )
@@ -89,10 +90,15 @@ def plan_rows(plan: Plan) -> list[Row]:
     return rows
 
 
-def _reason(d: planner.Decision) -> str:
+def _reason(d: planner.Decision, released: bool) -> str:
+    """The decision's reason, with the share that applied and whether the copy is
+    released at forward's end (it ends under the next forward)."""
+    notes = []
     if d.moved and d.share is not None:
-        return f"{d.reason} ({d.owner or '<root>'}: fraction {d.share:g})"
-    return d.reason
+        notes.append(f"{d.owner or '<root>'}: fraction {d.share:g}")
+    if released:
+        notes.append("released at forward's end")
+    return f"{d.reason} ({'; '.join(notes)})" if notes else d.reason
 
 
 def why_nothing_moved(plan: Plan) -> str | None:

@@ -40,6 +40,8 @@ def test_a_copy_ending_after_forward_is_released_only_where_a_forward_follows():
     )
     (copy,) = [c for c in followed.prediction.copies if c.root in _released(followed)]
     assert copy.offload_end > followed.prediction.forward_seconds
+    (row,) = [r for r in offload_pass.report.plan_rows(followed) if r.name == copy.root]
+    assert row.reason == "moved (<root>: fraction 1; released at forward's end)"
 
 
 def _after_last_compute(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
