@@ -123,7 +123,8 @@ class OffloadBackend:
         tolerance = self.options.stall_tolerance
         if code is not None:
             self.host_scales[code] = scale
-            self.forwards_in_flight[code] = in_flight
+            # One frame may compile to several chunks, each counted on its own.
+            self.forwards_in_flight[code] = max(in_flight, self.forwards_in_flight.get(code, 1))
         reasons = []
         if not priced.prediction.within(tolerance):
             reasons.append(
@@ -224,7 +225,8 @@ def backend(
             its own, the blocks times that. The predicted peak and ``memory_budget`` count
             that many forwards' saved memory, and where it is above 1 a copy may end under
             the forwards after its own. ``auto`` on CUDA counts them on each chunk's first
-            steps, and the count replaces this one for that chunk.
+            steps where it times the host there (:mod:`offload_pass.host_clock`), and the
+            count replaces this one for that chunk's frame.
         recompute_budget: torch's ``activation_memory_budget`` for these graphs, in
             (0, 1]: the stock partitioner first recomputes what is cheapest to recompute
             until the saved activations fit that share, and offload_pass plans what is

@@ -102,7 +102,8 @@ def _forward_runs(
         were placed at those prices): where the queue is never idle, a run that starts
         its copies later delays every copy after it. Where copies cannot overlap
         compute, each costs the same wherever it is issued. A copy released at
-        forward's end and one waited for never share an op."""
+        forward's end and one waited for never share an op; released copies end under
+        the next forward, not before a wait, so only the queue decides theirs."""
         if t.released != run[0].released:
             return False
         if not costs.profile.copies_overlap_compute:
@@ -110,7 +111,8 @@ def _forward_runs(
         run_totals = totals(run)
         start = max(ends[t.offload_at], min(run_totals.first_start, copies[t.root].offload_start))
         seconds = run_totals.seconds + costs.offload_seconds(t.nbytes)
-        in_time = start + OFFLOAD_MARGIN * seconds <= ends[max(run_totals.last_wait, t.wait_at)]
+        wait = ends[max(run_totals.last_wait, t.wait_at)]
+        in_time = t.released or start + OFFLOAD_MARGIN * seconds <= wait
         queue_free = start + seconds <= next_start.get(t.root, math.inf) * (1 + 1e-9)
         return in_time and queue_free
 

@@ -23,6 +23,8 @@ saved memory in its peak, and lets copies end under the forwards after their own
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -79,9 +81,9 @@ def priced_at(plan: Plan, scale: float, in_flight: int) -> Plan:
 class ForwardHostClock:
     """A compiled chunk's forward, calling ``on_measured`` once with the median seconds
     its calls took from its third step on (:data:`WARMUP_STEPS`, :data:`TIMED_CALLS`),
-    and the most calls a warm-up step made before a backward ran; then only the forward.
-    On CUDA a call returns once the host has issued the work, so its wall time is the
-    host's.
+    and the most warm-up calls in flight at once (:attr:`forwards_in_flight`); then only
+    the forward. On CUDA a call returns once the host has issued the work, so its wall
+    time is the host's.
 
     A step is counted where a backward of an earlier call has run since the call before:
     a chunk may be called several times a step (each block compiled on its own shares
@@ -105,8 +107,9 @@ class ForwardHostClock:
         self.steps = 0
         self.backwards = 0
         self._backwards_seen = 0
-        self.calls_in_step = 0
-        self.forwards_in_flight = 0
+        self._events = itertools.count()
+        self._backward_of: dict[int, int | None] = {}
+        """For each warm-up call (by its event), the event of its backward, once run."""
         self.samples: list[float] | None = []
         # Dynamo calls a compiled function with its inputs boxed in a list where it says so.
         self._boxed_call = getattr(forward, "_boxed_call", False)
@@ -117,16 +120,13 @@ class ForwardHostClock:
         if self.backwards > self._backwards_seen:
             self.steps += 1
             self._backwards_seen = self.backwards
-            self.calls_in_step = 0
         if self.steps >= WARMUP_STEPS:
             self.drain()
         start = self.clock()
         outputs = self.forward(*args)
         seconds = self.clock() - start
         if self.steps < WARMUP_STEPS:
-            if self._count_backward_of(outputs):
-                self.calls_in_step += 1
-                self.forwards_in_flight = max(self.forwards_in_flight, self.calls_in_step)
+            self._hear_backward_of(outputs)
             return outputs
         self.samples.append(seconds)
         if len(self.samples) == TIMED_CALLS:
@@ -134,14 +134,29 @@ class ForwardHostClock:
             self.on_measured(statistics.median(samples), self.forwards_in_flight)
         return outputs
 
-    def _count_backward_of(self, outputs: Any) -> bool:
-        """Hear of each backward that runs one of ``outputs``' nodes (whichever of them
-        the loss reads); whether there is any (a call under ``no_grad`` has none, and
-        holds nothing for a backward)."""
+    def _hear_backward_of(self, outputs: Any) -> None:
+        """Hear of the backward that runs one of ``outputs``' nodes (whichever of them
+        the loss reads)."""
+        call = next(self._events)
+        self._backward_of[call] = None
         nodes = {t.grad_fn for t in outputs if isinstance(t, torch.Tensor)} - {None}
         for node in nodes:
-            node.register_hook(self._backward_ran)
-        return bool(nodes)
+            node.register_hook(functools.partial(self._backward_ran, call))
 
-    def _backward_ran(self, *grads: Any) -> None:
-        self.backwards += 1
+    def _backward_ran(self, call: int, *grads: Any) -> None:
+        if self._backward_of[call] is None:
+            self._backward_of[call] = next(self._events)
+            self.backwards += 1
+
+    @property
+    def forwards_in_flight(self) -> int:
+        """The most warm-up calls alive at once between a call and its backward. A call
+        whose backward never runs holds nothing for one (a forward under ``no_grad``, or
+        an evaluation with gradients on whose outputs are dropped)."""
+        edges = sorted(
+            edge
+            for call, backward in self._backward_of.items()
+            if backward is not None
+            for edge in ((call, 1), (backward, -1))
+        )
+        return max(itertools.accumulate(step for _, step in edges), default=0)

@@ -2,9 +2,9 @@
 activations at once.
 
 Offloading saves memory in every microbatch a stage holds, so the memory it saves grows
-with the schedule's warm-up depth; the copies themselves still run inside each
-microbatch's own forward and backward, since a device tensor is freed only at its
-offload_wait. Pass the depth as ``backend(in_flight_microbatches=...)``.
+with the schedule's warm-up depth; a microbatch's copies may end under the next one's
+forward (``offload_release``), its reloads run inside its own backward. Pass the depth
+as ``backend(in_flight_microbatches=...)``.
 
 Several GPUs of one host share its PCIe switches and host memory bandwidth: when every
 rank copies at once, each may see a share of what one GPU alone measures. Plan with that

@@ -163,9 +163,24 @@ def _wait_positions(
     """
     last_forward = len(clocks.forward_end) - 2
     order = sorted(groups, key=lambda g: g.produced_at)
-    predicted = _offload_ends(order, costs, clocks, 1.0)
-    margined = _offload_ends(order, costs, clocks, OFFLOAD_MARGIN)
+
+    def ends(backlog: float) -> tuple[list[float], list[float]]:
+        return (
+            _offload_ends(order, costs, clocks, 1.0, backlog),
+            _offload_ends(order, costs, clocks, OFFLOAD_MARGIN, backlog),
+        )
+
+    predicted, margined = ends(0.0)
     released = _released(order, predicted, margined, costs, clocks)
+    if released:
+        # Each forward finds the queue busy with the last one's released copies until
+        # they end, and its own copies queue behind them (steady: the queue's copies take
+        # it no longer than a forward, so the backlog does not grow past this).
+        last = max(m for g, m in zip(order, margined, strict=True) if g.root in released)
+        predicted, margined = ends(last - clocks.forward_seconds)
+        released = _released(order, predicted, margined, costs, clocks)
+        if not released:
+            predicted, margined = ends(0.0)
     wait_at = {}
     for i, g in enumerate(order):
         done = bisect.bisect_left(clocks.forward_end, margined[i], lo=g.last_forward_use)
@@ -190,9 +205,10 @@ def _released(
 
     Only where the queue keeps pace with the forwards that follow: the chunk's copies
     take the device-to-host queue no longer than its forward, and each ends within the
-    next forward. Then each forward's copies end under the next one's compute, however
-    many run: a forward finds the queue busy with the last one's copies for less than
-    its own length. Otherwise none is released, and forward waits for each copy."""
+    next forward (``predicted`` counts the queue busy with the forward before's released
+    copies). Then each forward's copies end under the next one's compute, however many
+    run: a forward finds the queue busy with the last one's copies for less than its own
+    length. Otherwise none is released, and forward waits for each copy."""
     seconds = sum(costs.offload_seconds(g.nbytes) for g in order)
     forward = clocks.forward_seconds
     if not clocks.followed or seconds > forward or max(predicted, default=0.0) > 2 * forward:
@@ -201,10 +217,15 @@ def _released(
 
 
 def _offload_ends(
-    order: Sequence[SavedGroup], costs: ChunkCosts, clocks: _Clocks, margin: float
+    order: Sequence[SavedGroup],
+    costs: ChunkCosts,
+    clocks: _Clocks,
+    margin: float,
+    backlog: float = 0.0,
 ) -> list[float]:
-    """When each copy of the device-to-host queue ends, copies ``margin`` times slower."""
-    queue = CopyQueue()
+    """When each copy of the device-to-host queue ends, copies ``margin`` times slower,
+    the queue busy until ``backlog`` into forward."""
+    queue = CopyQueue(free_at=backlog)
     return [
         queue.push(clocks.forward_end[g.produced_at], margin * costs.offload_seconds(g.nbytes))[1]
         for g in order
@@ -302,22 +323,22 @@ def _hides(
 
     Forward: an offload must finish before forward does; one that finishes later is
     waited for at forward's end, still held at the peak there, and saves nothing. Where
-    other forwards follow (``_Clocks.followed``), it may end within the next forward, as
-    long as the copies take the queue no longer than one forward (``_released``).
+    other forwards follow (``_Clocks.followed``), it may end under the next forward, as
+    long as the copies take the queue no longer than one forward in all (``_released``;
+    then each ends within the next forward).
     Backward: reloads may make compute wait up to ``tolerance`` of the step in all.
     """
     if not costs.profile.copies_overlap_compute:
         return set()
     forced_roots = {g.root for g in forced}
     forward = clocks.forward_seconds
-    due = 2 * forward if clocks.followed else forward
     queue = CopyQueue()
     busy = 0.0
     forward_ok = []
     for g in sorted([*candidates, *forced], key=lambda g: g.produced_at):
         ready, seconds = clocks.forward_end[g.produced_at], costs.offload_seconds(g.nbytes)
-        keeps_pace = queue.start_of(ready) + seconds <= due and busy + seconds <= forward
-        if g.root in forced_roots or keeps_pace:
+        in_time = clocks.followed or queue.start_of(ready) + seconds <= forward
+        if g.root in forced_roots or (in_time and busy + seconds <= forward):
             queue.push(ready, seconds)
             busy += seconds
             forward_ok.append(g)

@@ -18,7 +18,7 @@ import dataclasses
 import functools
 import itertools
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 
 from offload_pass.costs import ChunkCosts
 from offload_pass.profiles import DeviceProfile
@@ -209,29 +209,43 @@ def _by(transfers: Sequence[Transfer], key: str) -> dict[int, list[Transfer]]:
 
 
 def _with_host_seconds(
-    issued_at: dict[int, list[Transfer]], partner: str, alone: float, added: float
+    issued_at: dict[int, list[Transfer]],
+    op_of: Callable[[Transfer], Hashable],
+    alone: float,
+    added: float,
 ) -> dict[int, list[tuple[Transfer, float]]]:
     """The transfers issued at each position, in order, each with what it costs the host
     (``_op_host_seconds``)."""
     return {
-        at: list(zip(issued, _op_host_seconds(issued, partner, alone, added), strict=True))
+        at: list(zip(issued, _op_host_seconds(issued, op_of, alone, added), strict=True))
         for at, issued in issued_at.items()
     }
 
 
 def _op_host_seconds(
-    issued: Sequence[Transfer], partner: str, alone: float, added: float
+    issued: Sequence[Transfer], op_of: Callable[[Transfer], Hashable], alone: float, added: float
 ) -> list[float]:
     """What each of ``issued`` (transfers issued at one position) costs the host. Those
-    that also share their ``partner`` position are one op, as the rewrite joins them:
-    its first storage costs ``alone``, each further one ``added``."""
-    seen: set[int] = set()
+    of one op (``op_of``: what else the rewrite joins them by) cost ``alone`` for its
+    first storage and ``added`` for each further one."""
+    seen: set[Hashable] = set()
     seconds = []
     for t in issued:
-        position = getattr(t, partner)
-        seconds.append(added if position in seen else alone)
-        seen.add(position)
+        op = op_of(t)
+        seconds.append(added if op in seen else alone)
+        seen.add(op)
     return seconds
+
+
+def _offload_op(t: Transfer) -> tuple[int, bool]:
+    """An offload op moves the storages placed at one node that are waited for at one
+    node, and released or not alike."""
+    return t.wait_at, t.released
+
+
+def _reload_op(t: Transfer) -> int:
+    """A reload op moves the storages placed at one node that are needed at one node."""
+    return t.need_at
 
 
 Hold = tuple[int, int, int]
@@ -247,9 +261,11 @@ class MemoryTimeline:
     The peak counts ``in_flight - 1`` other forwards of the chunk done and their
     backwards pending (a pipeline stage's warm-up, blocks compiled each on their own),
     each holding what this one holds between its forward and backward, less its
-    released storages: their copies end under the next forward's compute. This one's
-    peak counts its own released storages as held: it may be the last forward before
-    its backward, whose copies have nothing after them to end under.
+    released storages: their copies end under the next forward's compute. So while
+    this forward runs, the forward before it still holds its released storages (counted
+    over all of this forward: their copies end somewhere in it). This one's own released
+    storages count as held throughout: it may be the last forward before its backward,
+    whose copies have nothing after them to end under.
     """
 
     def __init__(
@@ -264,9 +280,11 @@ class MemoryTimeline:
         net = (a - f for a, f in zip(allocated, freed, strict=True))
         held = list(itertools.accumulate(net, initial=0))
         live = [before + a for before, a in zip(held, allocated, strict=False)]
+        released = sum(t.nbytes for t in transfers if t.released)
+        if in_flight > 1:
+            live[: costs.num_forward] = [b + released for b in live[: costs.num_forward]]
         self.live = RangeAddMax(live)
         self.top = max(live, default=0)
-        released = sum(t.nbytes for t in transfers if t.released)
         self.held_between = held[costs.num_forward] - released
         self.resident = costs.resident_bytes
         self.in_flight = in_flight
@@ -274,26 +292,34 @@ class MemoryTimeline:
 
     @property
     def peak(self) -> int:
-        return self.resident + (self.in_flight - 1) * self.held_between + self.top
+        return self.peak_of(self.top)
 
-    def _away(self, t: Transfer) -> tuple[int, int]:
-        """The positions ``[start, stop)`` at which ``t``'s storage is off the device in
-        this forward's own timeline (none where it is released)."""
-        if t.released:
-            return 0, 0
-        return t.wait_at + 1, self.num_forward + t.reload_at
+    def _add_kept(self, t: Transfer, nbytes: int) -> None:
+        """Add ``nbytes`` wherever keeping ``t`` on the device holds it and moving it
+        does not (``-nbytes`` takes that back): in this forward's own timeline from its
+        wait to its reload (a released storage is held there either way); by each other
+        forward between its forward and backward; and, released, less by the forward
+        before this one over this one's forward, where its copy would run."""
+        if not t.released:
+            self.live.add(t.wait_at + 1, self.num_forward + t.reload_at, nbytes)
+        elif self.in_flight > 1:
+            self.live.add(0, self.num_forward, -nbytes)
+        self.held_between += nbytes
 
     def peak_without(self, t: Transfer) -> int:
-        raised = self.live.max(*self._away(t)) + t.nbytes
-        others = (self.in_flight - 1) * (self.held_between + t.nbytes)
-        return self.resident + others + max(self.top, raised)
+        self._add_kept(t, t.nbytes)
+        peak = self.peak_of(self.live.max(0, len(self.live)))
+        self._add_kept(t, -t.nbytes)
+        return peak
+
+    def peak_of(self, top: int) -> int:
+        """The peak where this forward's own timeline tops at ``top``."""
+        return self.resident + (self.in_flight - 1) * self.held_between + top
 
     def keep(self, t: Transfer) -> None:
         """Count ``t``'s storage as held on the device throughout."""
-        away = self._away(t)
-        self.live.add(*away, t.nbytes)
-        self.top = max(self.top, self.live.max(*away))
-        self.held_between += t.nbytes
+        self._add_kept(t, t.nbytes)
+        self.top = self.live.max(0, len(self.live))
 
     def pass_top(self, position: int) -> int:
         """The most bytes live at once in the pass (forward or backward) of ``position``."""
@@ -361,7 +387,8 @@ class _Timeline:
     backward_starts: tuple[float, ...]
 
 
-def _run(costs: ChunkCosts, transfers: Sequence[Transfer]) -> _Timeline:
+def _run(costs: ChunkCosts, transfers: Sequence[Transfer], backlog: float = 0.0) -> _Timeline:
+    """The step, the device-to-host queue busy until ``backlog`` into forward."""
     streams = _Streams(costs.profile)
     profile = costs.profile
     copies = {t.root: _Copy(t) for t in transfers}
@@ -369,18 +396,18 @@ def _run(costs: ChunkCosts, transfers: Sequence[Transfer]) -> _Timeline:
     needs = _by(transfers, "need_at")
     offloads = _with_host_seconds(
         _by(transfers, "offload_at"),
-        "wait_at",
+        _offload_op,
         profile.offload_host_seconds,
         profile.bucketed_offload_host_seconds,
     )
     reloads = _with_host_seconds(
         {j: sorted(ts, key=lambda t: t.need_at) for j, ts in _by(transfers, "reload_at").items()},
-        "need_at",
+        _reload_op,
         profile.reload_host_seconds,
         profile.bucketed_reload_host_seconds,
     )
 
-    device_to_host = CopyQueue()
+    device_to_host = CopyQueue(free_at=backlog)
     forward_starts = []
     forward = zip(costs.forward_seconds, costs.forward_launches, strict=True)
     for i, (seconds, launches) in enumerate(forward):
@@ -433,8 +460,18 @@ def unhindered_starts(costs: ChunkCosts) -> tuple[tuple[float, ...], tuple[float
     return timeline.forward_starts, timeline.backward_starts
 
 
-def simulate(costs: ChunkCosts, transfers: Sequence[Transfer], in_flight: int = 1) -> Prediction:
+def _run_after_released(costs: ChunkCosts, transfers: Sequence[Transfer]) -> _Timeline:
+    """The step as it runs after a forward of the same chunk: where copies are released,
+    the queue is still busy with the forward before's as long as they outlast its end,
+    and this forward's copies queue behind them."""
     timeline = _run(costs, transfers)
+    ends = [c.offload_end for c in timeline.copies if c.transfer.released]
+    backlog = max(ends, default=0.0) - timeline.forward_end
+    return _run(costs, transfers, backlog) if backlog > 0 else timeline
+
+
+def simulate(costs: ChunkCosts, transfers: Sequence[Transfer], in_flight: int = 1) -> Prediction:
+    timeline = _run_after_released(costs, transfers)
     streams = timeline.streams
     return Prediction(
         forward_seconds=timeline.forward_end,

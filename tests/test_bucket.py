@@ -140,3 +140,16 @@ def test_where_copies_cannot_overlap_compute_reloads_share_an_op_as_far_as_memor
     tight = bucket_transfers(alone, chunk(small, cpu_like), stall_tolerance=0.0)
     assert len({_positions(tight)[g.root][2] for g in small}) == 7, "a6 and a7 alone share"
     assert tight.prediction.peak_bytes == alone.prediction.peak_bytes
+
+
+def test_released_copies_share_an_op_where_the_queue_allows():
+    # With a second forward to end under, a7, a8 and a9 are released at forward's end.
+    # a8's copy was to start at 10 ms, when a9 is made: issued with a9's, it starts no
+    # later. a7's, issued there too, would start 2 ms late and delay the others.
+    groups = [group(7, 2 * MB), group(8, 2 * MB), group(9, MB)]
+    planned = plan(groups, share=1.0, in_flight=2)
+    assert all(t.released for t in planned.transfers)
+    bucketed = bucket_transfers(planned, chunk(groups), 0.0, 2)
+    offload_at = {t.root: t.offload_at for t in bucketed.transfers}
+    assert offload_at == {"a7": 7, "a8": 9, "a9": 9}
+    assert all(t.released for t in bucketed.transfers)

@@ -226,13 +226,16 @@ def test_the_clock_reports_the_median_of_the_calls_from_the_third_step_on():
 
 def test_the_clock_counts_the_forwards_run_before_a_backward():
     """Four blocks sharing one chunk hold four forwards; a backward after each forward
-    (accumulating gradients) holds one; a call under no_grad holds none."""
+    (accumulating gradients) holds one. A call under no_grad holds none, nor does an
+    evaluation with gradients on whose outputs are dropped."""
 
     def forwards_in_flight(blocks: int, backward_each: bool) -> int:
         reported: list = []
         timed = host_clock.ForwardHostClock(lambda t: (t * 2,), _reported(reported), lambda: None)
         while not reported:
             with torch.no_grad():
+                timed(torch.ones(2, requires_grad=True))
+            for _ in range(3):
                 timed(torch.ones(2, requires_grad=True))
             outs = []
             for _ in range(blocks):

@@ -219,6 +219,9 @@ def test_storages_moved_by_one_op_cost_the_host_less_than_ops_of_their_own():
     apart = [Transfer("a0", MB, 1, 1, 10, 12), Transfer("a1", MB, 1, 2, 10, 13)]
     assert simulate(costs, joined).step_seconds == pytest.approx((41 + 4 + 4) * MS)
     assert simulate(costs, apart).step_seconds == pytest.approx((41 + 6 + 6) * MS)
+    # a1 released: the rewrite gives it an offload of its own (reloads stay joined)
+    mixed = [joined[0], dataclasses.replace(joined[1], released=True)]
+    assert simulate(costs, mixed).step_seconds == pytest.approx((41 + 6 + 4) * MS)
 
 
 def test_host_time_hidden_behind_the_device_costs_nothing():
@@ -532,3 +535,33 @@ def test_a_released_copy_stalls_no_forward_and_its_reload_waits_for_it(released)
     (copy,) = prediction.copies
     assert prediction.forward_seconds == pytest.approx((10 if released else 11) * MS)
     assert copy.reload_start == pytest.approx(copy.offload_end) == pytest.approx(11 * MS)
+
+
+def test_the_forward_before_holds_its_released_storage_while_this_one_runs():
+    # a9's copy runs 10 to 19 ms: through most of the next forward, whose 100 MB
+    # temporary at node 5 meets the last forward's a3, a9 and its own a3 (a3 may not
+    # move). Releasing a9 lowers no peak.
+    a3 = dataclasses.replace(group(3, 20 * MB), fixed_reason="input or parameter")
+    groups = [a3, group(9, 9 * MB)]
+    costs = chunk(groups)
+    allocated, freed = list(costs.allocated), list(costs.freed)
+    allocated[5] += 100 * MB
+    freed[5] += 100 * MB
+    costs = dataclasses.replace(costs, allocated=tuple(allocated), freed=tuple(freed))
+    request = Request({g.root: ("", 1.0) for g in groups}, 0, 0.0, None, 2)
+    result = plan_offloads(groups, costs, request)
+    assert [(t.root, t.released) for t in result.transfers] == [("a9", True)]
+    assert result.prediction.peak_bytes == result.prediction.baseline_peak_bytes == 149 * MB
+
+
+def test_a_forward_queues_its_copies_behind_the_released_copies_of_the_one_before():
+    # a9's copy, released, ends 5 ms into the next forward; that forward's a0, made at
+    # 1 ms, is copied from 5 to 9 ms, and waited for after node 9, not node 5.
+    result = plan([group(0, 4 * MB), group(9, 5 * MB)], share=1.0, in_flight=2)
+    placed = {t.root: t for t in result.transfers}
+    assert placed["a9"].released and not placed["a0"].released
+    assert placed["a0"].wait_at == 9
+    copies = {c.root: c for c in result.prediction.copies}
+    assert copies["a0"].offload_start == pytest.approx(5 * MS)
+    assert copies["a9"].offload_end == pytest.approx(15 * MS)
+    assert result.prediction.forward_seconds == pytest.approx(10 * MS), "no wait in forward"
