@@ -59,7 +59,24 @@ class OffloadBackend:
 
     def discard_frame(self, code: types.CodeType) -> None:
         """Forget the plans of the graphs compiled for ``code``."""
-        self._compiled = {k: v for k, v in self._compiled.items() if v[0] is not code}
+        for name in [k for k, (compiled, _) in self._compiled.items() if compiled is code]:
+            del self._compiled[name]
+
+    def with_forwards_in_flight(self, count: int) -> OffloadBackend:
+        """This backend for chunks whose forward runs ``count`` times before a backward,
+        as the blocks of one list compiled each on their own share one chunk: its
+        ``in_flight_microbatches`` times ``count``. It keeps its plans, and the prices
+        and counts it measures, with this backend's."""
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise ValueError(f"count must be an int >= 1, got {count!r}")
+        in_flight = self.options.in_flight_microbatches * count
+        derived = OffloadBackend(
+            dataclasses.replace(self.options, in_flight_microbatches=in_flight)
+        )
+        derived._compiled = self._compiled
+        derived.host_scales = self.host_scales
+        derived.forwards_in_flight = self.forwards_in_flight
+        return derived
 
     def partitioner_for(self, gm: torch.fx.GraphModule) -> OffloadPartitioner:
         """The partitioner for one Dynamo graph; its plan is added to ``plans``."""

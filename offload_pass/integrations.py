@@ -17,7 +17,7 @@ from typing import Any
 from torch import nn
 
 from offload_pass import _compat
-from offload_pass.backend import OffloadBackend, backend
+from offload_pass.backend import OffloadBackend, backend, default_backend
 
 _registered: dict[str, OffloadBackend] = {}
 
@@ -92,8 +92,9 @@ def compile_regions(
 
     def visit(module: nn.Module, path: str) -> None:
         if _is_repeated_blocks(module):
+            blocks_backend = _for_blocks(backend, len(module))
             for name, block in module.named_children():
-                block.compile(backend=backend, **compile_kwargs)
+                block.compile(backend=blocks_backend, **compile_kwargs)
                 compiled.append(f"{path}.{name}" if path else name)
         elif _has_repeated_blocks(module):
             for name, child in module.named_children():
@@ -104,3 +105,13 @@ def compile_regions(
 
     visit(model, "")
     return compiled
+
+
+def _for_blocks(backend: Callable[..., Any] | str, count: int) -> Callable[..., Any] | str:
+    """``backend`` for ``count`` blocks sharing one chunk, where it is offload_pass's
+    (by object or registered name): their forwards all run before a backward."""
+    named = {"offload": default_backend, **_registered}
+    found = named.get(backend) if isinstance(backend, str) else backend
+    if isinstance(found, OffloadBackend):
+        return found.with_forwards_in_flight(count)
+    return backend

@@ -3,6 +3,8 @@ backward (``in_flight_microbatches`` above 1): the rewritten graphs and the grad
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
@@ -81,3 +83,56 @@ def test_inductor_releases_after_forward_compute():
     assert "offload_pass.offload_wait.default(" in forward_code
     marked = offload_pass.report.format_graphs(backend.plans[0])
     assert "compute does not wait; the device tensor is freed once its copy" in marked
+
+
+def _blocks_compiled_each(compile_blocks) -> offload_pass.Plan:
+    """The plan of four blocks sharing one chunk, compiled by ``compile_blocks(model)``."""
+    torch.manual_seed(0)
+    model = models.BlockStack(dim=256, heads=4, depth=4)
+    reference = copy.deepcopy(model)
+    backend = compile_blocks(model)
+    offload_pass.compile_regions(reference, "aot_eager")
+    x = _x()
+    assert_same_step(train_step(model, x), train_step(reference, x))
+    (plan,) = backend.plans
+    return plan
+
+
+def _options(**more) -> dict:
+    return dict(fraction=1.0, profile=QUICK_COPIES, compiler="eager", **more)
+
+
+def test_compile_regions_plans_the_blocks_for_one_forward_each():
+    """Four blocks share one chunk: compile_regions tells the backend, whose plans keep
+    it, and the blocks train as without offloading."""
+
+    def by_regions(model):
+        backend = offload_pass.backend(**_options())
+        offload_pass.compile_regions(model, backend)
+        return backend
+
+    def by_hand(in_flight: int):
+        def compile_blocks(model):
+            backend = offload_pass.backend(**_options(in_flight_microbatches=in_flight))
+            for block in model.blocks:
+                block.compile(backend=backend)
+            return backend
+
+        return compile_blocks
+
+    regions, told, untold = map(_blocks_compiled_each, (by_regions, by_hand(4), by_hand(1)))
+    assert _released(regions), "a copy ending after its block's forward ends under the next"
+    assert regions.prediction.peak_bytes == told.prediction.peak_bytes
+    assert regions.prediction.baseline_peak_bytes == told.prediction.baseline_peak_bytes
+    assert regions.prediction.baseline_peak_bytes > untold.prediction.baseline_peak_bytes
+    assert not _released(untold)
+
+
+def test_a_backend_holds_a_positive_whole_number_of_forwards():
+    backend = offload_pass.backend()
+    with pytest.raises(ValueError, match="count must be an int >= 1, got 0"):
+        backend.with_forwards_in_flight(0)
+    with pytest.raises(ValueError, match="count must be an int >= 1, got True"):
+        backend.with_forwards_in_flight(True)
+    piped = offload_pass.backend(in_flight_microbatches=2)
+    assert piped.with_forwards_in_flight(3).options.in_flight_microbatches == 6
