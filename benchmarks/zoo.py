@@ -260,7 +260,7 @@ def _our_blocks(**options: Any) -> BlockBackend:
     once per block before any backward (``in_flight_microbatches``)."""
 
     def make(shared: dict[str, Any], blocks: int) -> Any:
-        shared["backend"] = offload_pass.backend(in_flight_microbatches=blocks, **options)
+        shared["backend"] = offload_pass.backend(**options).with_forwards_in_flight(blocks)
         shared["whole_step"] = False
         return shared["backend"]
 
