@@ -14,19 +14,19 @@ Selection, per chunk:
   bring the predicted peak under the budget, at the overlap depth (below) whose plan is
   predicted fastest.
 
-Placement: each offload right after its producer; its wait at the first node by which the
-copy is predicted complete (and not before the last forward use); reloads as late as they
-can start and still finish before first use, in first-use order. Where other forwards of
-the chunk run before its backward (``in_flight`` above 1) and the copy queue keeps pace
-with them, a copy that would be waited for at forward's end is released there instead:
-compute does not wait for it, and its storage is freed once the copy has read it, under
-the next forward's compute. Where more is moved than
-the copy queues can carry in time (a share or a budget asks for it), a copy that would end
-after forward is waited for ``OVERLAP_DEPTH`` copies later, and a reload that would start
-before backward is issued ``OVERLAP_DEPTH`` reloads before its need: compute then waits
-for the queue either way, but holds only a few copies in flight, not all. A budget tries
-each depth of ``BUDGET_DEPTHS``: fewer copies in flight lower the peak, so fewer need to
-move, while more let compute run further ahead of the queue.
+Placement: each offload right after its producer; its wait at the first node by which
+the copy is predicted complete (and not before the last forward use); reloads as late as
+they can start and still finish before first use, in first-use order. Where other
+forwards of the chunk run before its backward (``in_flight`` above 1) and the copy queue
+keeps pace with them, a copy that would be waited for at forward's end is released there
+instead: compute does not wait for it, and its storage is freed once the copy has read
+it, under the next forward's compute. Where more is moved than the copy queues can carry
+in time (a share or a budget asks for it), a copy that would end after forward is waited
+for ``OVERLAP_DEPTH`` copies later, and a reload that would start before backward is
+issued ``OVERLAP_DEPTH`` reloads before its need: compute then waits for the queue
+either way, but holds only a few copies in flight, not all. A budget tries each depth of
+``BUDGET_DEPTHS``: fewer copies in flight lower the peak, so fewer need to move, while
+more let compute run further ahead of the queue.
 
 Selection prices copies as predicted; placement prices them slower (``OFFLOAD_MARGIN``,
 ``RELOAD_MARGIN``), so that a wait or a reload placed by a slightly optimistic prediction
