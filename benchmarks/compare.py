@@ -232,7 +232,7 @@ COLUMNS = (
     ("step_ratio", "ratio", "{:.3f}"),
     ("paired_step_ratio", "ratio in turns", "{:.3f}"),
     ("peak_bytes", "peak GiB", "gib"),
-    ("reserved_peak_bytes", "reserved GiB", "gib"),
+    ("active_peak_bytes", "active GiB", "gib"),
     ("held_bytes", "held GiB", "gib"),
     ("bytes_moved", "moved GiB", "gib"),
     ("peak_saved_bytes", "saved GiB", "gib"),

@@ -38,10 +38,11 @@ class Measurement:
     settling_s: float | None = None
     """The settling steps' time, the first step's compile and any second one included."""
     peak_bytes: int | None = None
-    reserved_peak_bytes: int | None = None
-    """The most memory the allocator held (CUDA). A tensor freed while a copy on another
-    stream still reads it (a released offload) leaves ``peak_bytes`` at once, but the
-    allocator hands it out again only once the copy has read it: this counts it."""
+    active_peak_bytes: int | None = None
+    """The most memory the allocator could not hand out (CUDA): ``peak_bytes`` and the
+    tensors freed while a copy on another stream still reads them (a released offload),
+    which leave ``peak_bytes`` at once but are handed out again only once the copy has
+    read them."""
     held_bytes: int | None = None
     bytes_moved: int | None = None
     pinned_allocations_after_warmup: int | None = None
@@ -71,7 +72,7 @@ class _Step:
     seconds: float
     forward_seconds: float
     peak_bytes: int | None
-    reserved_peak_bytes: int | None
+    active_peak_bytes: int | None
     held_bytes: int | None
     bytes_moved: int
 
@@ -105,12 +106,13 @@ def _run_step(forward: Any, x: Any, device: torch.device) -> _Step:
         torch.cuda.synchronize()
         seconds = events[0].elapsed_time(events[2]) / 1e3
         forward_seconds = events[0].elapsed_time(events[1]) / 1e3
-        peak, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+        peak = torch.cuda.max_memory_allocated()
+        active = torch.cuda.memory_stats()["active_bytes.all.peak"]
     else:
         seconds, forward_seconds = time.perf_counter() - start, middle - start
-        peak = reserved = held = None
+        peak = active = held = None
     moved = offload_pass.counts().bytes_offloaded - moved_before
-    return _Step(seconds, forward_seconds, peak, reserved, held, moved)
+    return _Step(seconds, forward_seconds, peak, active, held, moved)
 
 
 def host_seconds(forward: Any, x: Any, device: torch.device) -> float | None:
@@ -221,9 +223,9 @@ def measure(
         first_step_s=first_step,
         settling_s=settling,
         peak_bytes=None if timed[0].peak_bytes is None else max(r.peak_bytes for r in timed),
-        reserved_peak_bytes=None
-        if timed[0].reserved_peak_bytes is None
-        else max(r.reserved_peak_bytes for r in timed),
+        active_peak_bytes=None
+        if timed[0].active_peak_bytes is None
+        else max(r.active_peak_bytes for r in timed),
         held_bytes=None if timed[0].held_bytes is None else max(r.held_bytes for r in timed),
         # offload_pass counts what it moves; what a peer moves is not measured here
         bytes_moved=timed[-1].bytes_moved if config.family == "offload_pass" else None,

@@ -257,7 +257,7 @@ def _stock_blocks(shared: dict[str, Any], blocks: int) -> Any:
 
 def _our_blocks(**options: Any) -> BlockBackend:
     """offload_pass for blocks compiled each on their own: one chunk, whose forward runs
-    once per block before any backward (``in_flight_microbatches``)."""
+    once per block before any backward (``with_forwards_in_flight``)."""
 
     def make(shared: dict[str, Any], blocks: int) -> Any:
         shared["backend"] = offload_pass.backend(**options).with_forwards_in_flight(blocks)

@@ -49,6 +49,7 @@ class OffloadBackend:
         """How many forwards of a chunk ran before a backward on its first steps, by
         frame, where ``auto`` measured the host there; the frame's later compiles plan
         for that many in place of ``in_flight_microbatches``."""
+        self._with_forwards: dict[int, OffloadBackend] = {}
 
     @property
     def plans(self) -> list[Plan]:
@@ -66,9 +67,12 @@ class OffloadBackend:
         """This backend for chunks whose forward runs ``count`` times before a backward,
         as the blocks of one list compiled each on their own share one chunk: its
         ``in_flight_microbatches`` times ``count``. It keeps its plans, and the prices
-        and counts it measures, with this backend's."""
+        and counts it measures, with this backend's. One per count: Dynamo keeps compiled
+        code per backend object, so lists of one block class share theirs."""
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise ValueError(f"count must be an int >= 1, got {count!r}")
+        if count in self._with_forwards:
+            return self._with_forwards[count]
         in_flight = self.options.in_flight_microbatches * count
         derived = OffloadBackend(
             dataclasses.replace(self.options, in_flight_microbatches=in_flight)
@@ -76,6 +80,7 @@ class OffloadBackend:
         derived._compiled = self._compiled
         derived.host_scales = self.host_scales
         derived.forwards_in_flight = self.forwards_in_flight
+        self._with_forwards[count] = derived
         return derived
 
     def partitioner_for(self, gm: torch.fx.GraphModule) -> OffloadPartitioner:

@@ -22,11 +22,14 @@ saved memory in its peak, and lets copies end under the forwards after their own
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
+import math
 import statistics
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -109,7 +112,9 @@ class ForwardHostClock:
         self._backwards_seen = 0
         self._events = itertools.count()
         self._backward_of: dict[int, int | None] = {}
-        """For each warm-up call (by its event), the event of its backward, once run."""
+        """For each warm-up call with a backward to come (by its event), the event of its
+        backward, once run; a call leaves where its autograd nodes die without one."""
+        self._nodes_alive: dict[int, int] = {}
         self.samples: list[float] | None = []
         # Dynamo calls a compiled function with its inputs boxed in a list where it says so.
         self._boxed_call = getattr(forward, "_boxed_call", False)
@@ -136,27 +141,39 @@ class ForwardHostClock:
 
     def _hear_backward_of(self, outputs: Any) -> None:
         """Hear of the backward that runs one of ``outputs``' nodes (whichever of them
-        the loss reads)."""
+        the loss reads), and of their death without one (an evaluation with gradients
+        on, its outputs dropped). A call under ``no_grad`` has no nodes."""
+        nodes = {t.grad_fn for t in outputs if isinstance(t, torch.Tensor)} - {None}
+        if not nodes:
+            return
         call = next(self._events)
         self._backward_of[call] = None
-        nodes = {t.grad_fn for t in outputs if isinstance(t, torch.Tensor)} - {None}
+        self._nodes_alive[call] = 0
         for node in nodes:
             node.register_hook(functools.partial(self._backward_ran, call))
+            with contextlib.suppress(TypeError):  # torch's own nodes take no weak reference
+                weakref.finalize(node, self._node_died, call)
+                self._nodes_alive[call] += 1
 
     def _backward_ran(self, call: int, *grads: Any) -> None:
-        if self._backward_of[call] is None:
+        if self._backward_of.get(call, 0) is None:
             self._backward_of[call] = next(self._events)
             self.backwards += 1
 
+    def _node_died(self, call: int) -> None:
+        self._nodes_alive[call] -= 1
+        if not self._nodes_alive[call] and self._backward_of.get(call, 0) is None:
+            del self._backward_of[call]
+
     @property
     def forwards_in_flight(self) -> int:
-        """The most warm-up calls alive at once between a call and its backward. A call
-        whose backward never runs holds nothing for one (a forward under ``no_grad``, or
-        an evaluation with gradients on whose outputs are dropped)."""
+        """The most warm-up calls alive at once between a call and its backward, a call
+        whose backward has yet to run counted as alive still (a pipeline's warm-up may
+        outlast the measurement). A call whose nodes died without a backward held
+        nothing for one."""
         edges = sorted(
             edge
             for call, backward in self._backward_of.items()
-            if backward is not None
-            for edge in ((call, 1), (backward, -1))
+            for edge in ((call, 1), (math.inf if backward is None else backward, -1))
         )
         return max(itertools.accumulate(step for _, step in edges), default=0)

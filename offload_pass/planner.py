@@ -176,7 +176,7 @@ def _wait_positions(
         # Each forward finds the queue busy with the last one's released copies until
         # they end, and its own copies queue behind them (steady: the queue's copies take
         # it no longer than a forward, so the backlog does not grow past this).
-        last = max(m for g, m in zip(order, margined, strict=True) if g.root in released)
+        last = max(p for g, p in zip(order, predicted, strict=True) if g.root in released)
         predicted, margined = ends(last - clocks.forward_seconds)
         released = _released(order, predicted, margined, costs, clocks)
         if not released:

@@ -463,7 +463,9 @@ def unhindered_starts(costs: ChunkCosts) -> tuple[tuple[float, ...], tuple[float
 def _run_after_released(costs: ChunkCosts, transfers: Sequence[Transfer]) -> _Timeline:
     """The step as it runs after a forward of the same chunk: where copies are released,
     the queue is still busy with the forward before's as long as they outlast its end,
-    and this forward's copies queue behind them."""
+    and this forward's copies queue behind them. One more run finds that backlog where
+    the copies take the queue no longer than forward, as the planner releases them
+    only then (then the backlog does not change the last copy's end)."""
     timeline = _run(costs, transfers)
     ends = [c.offload_end for c in timeline.copies if c.transfer.released]
     backlog = max(ends, default=0.0) - timeline.forward_end

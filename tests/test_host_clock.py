@@ -224,32 +224,73 @@ def test_the_clock_reports_the_median_of_the_calls_from_the_third_step_on():
     assert len(drained) == host_clock.TIMED_CALLS, "the device drained before each"
 
 
+class _Doubled(torch.autograd.Function):
+    """Stands in for a compiled chunk, whose outputs' node is a Python one."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor) -> torch.Tensor:
+        return t * 2
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 2
+
+
+def _chunk(t: torch.Tensor) -> tuple[torch.Tensor]:
+    return (_Doubled.apply(t),)
+
+
+def _forwards_in_flight(step: Callable[[host_clock.ForwardHostClock], None]) -> int:
+    """What the clock counts over as many steps as its measurement takes."""
+    reported: list = []
+    timed = host_clock.ForwardHostClock(_chunk, _reported(reported), lambda: None)
+    while not reported:
+        step(timed)
+    ((_, in_flight),) = reported
+    return in_flight
+
+
+def _call(timed: host_clock.ForwardHostClock) -> torch.Tensor:
+    (out,) = timed(torch.ones(2, requires_grad=True))
+    return out
+
+
 def test_the_clock_counts_the_forwards_run_before_a_backward():
     """Four blocks sharing one chunk hold four forwards; a backward after each forward
     (accumulating gradients) holds one. A call under no_grad holds none, nor does an
     evaluation with gradients on whose outputs are dropped."""
 
-    def forwards_in_flight(blocks: int, backward_each: bool) -> int:
-        reported: list = []
-        timed = host_clock.ForwardHostClock(lambda t: (t * 2,), _reported(reported), lambda: None)
-        while not reported:
+    def blocks(backward_each: bool) -> Callable[[host_clock.ForwardHostClock], None]:
+        def step(timed: host_clock.ForwardHostClock) -> None:
             with torch.no_grad():
-                timed(torch.ones(2, requires_grad=True))
+                _call(timed)
             for _ in range(3):
-                timed(torch.ones(2, requires_grad=True))
+                _call(timed)
             outs = []
-            for _ in range(blocks):
-                (out,) = timed(torch.ones(2, requires_grad=True))
-                outs.append(out)
+            for _ in range(4):
+                outs.append(_call(timed))
                 if backward_each:
-                    out.sum().backward()
-            if not backward_each:
+                    outs.pop().sum().backward()
+            if outs:
                 sum(out.sum() for out in outs).backward()
-        ((_, in_flight),) = reported
-        return in_flight
 
-    assert forwards_in_flight(4, backward_each=False) == 4
-    assert forwards_in_flight(4, backward_each=True) == 1
+        return step
+
+    assert _forwards_in_flight(blocks(backward_each=False)) == 4
+    assert _forwards_in_flight(blocks(backward_each=True)) == 1
+
+
+def test_the_clock_counts_a_pipelines_warm_up_deeper_than_its_measurement():
+    """One-forward-one-backward after eight warm-up forwards: the measurement ends
+    before the warm-up's backwards have all run."""
+    held: list[torch.Tensor] = []
+
+    def step(timed: host_clock.ForwardHostClock) -> None:
+        while len(held) < 8:
+            held.append(_call(timed))
+        held.pop(0).sum().backward()
+
+    assert _forwards_in_flight(step) == 8
 
 
 def test_a_call_inside_a_backward_is_neither_timed_nor_counted():

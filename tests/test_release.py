@@ -136,3 +136,6 @@ def test_a_backend_holds_a_positive_whole_number_of_forwards():
         backend.with_forwards_in_flight(True)
     piped = offload_pass.backend(in_flight_microbatches=2)
     assert piped.with_forwards_in_flight(3).options.in_flight_microbatches == 6
+    assert piped.with_forwards_in_flight(3) is piped.with_forwards_in_flight(3), (
+        "one per count, so that Dynamo's code compiled for it is shared"
+    )
