@@ -154,15 +154,21 @@ class ForwardHostClock:
             with contextlib.suppress(TypeError):  # torch's own nodes take no weak reference
                 weakref.finalize(node, self._node_died, call)
                 self._nodes_alive[call] += 1
+        if not self._nodes_alive[call]:
+            del self._nodes_alive[call]
 
     def _backward_ran(self, call: int, *grads: Any) -> None:
-        if self._backward_of.get(call, 0) is None:
+        if self._backward_of[call] is None:
             self._backward_of[call] = next(self._events)
             self.backwards += 1
 
     def _node_died(self, call: int) -> None:
+        """Forget a call whose nodes all died without a backward: it held nothing."""
         self._nodes_alive[call] -= 1
-        if not self._nodes_alive[call] and self._backward_of.get(call, 0) is None:
+        if self._nodes_alive[call]:
+            return
+        del self._nodes_alive[call]
+        if self._backward_of[call] is None:
             del self._backward_of[call]
 
     @property
