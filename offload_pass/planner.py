@@ -129,7 +129,7 @@ class _Clocks:
 
     @classmethod
     def of(cls, costs: ChunkCosts, in_flight: int = 1) -> _Clocks:
-        forward_starts, backward_starts = unhindered_starts(costs, in_flight)
+        forward_starts, backward_starts = unhindered_starts(costs)
         forward_end = tuple(map(operator.add, forward_starts, costs.forward_seconds))
         backward_start = forward_end[-1] if forward_end else 0.0
         return cls(

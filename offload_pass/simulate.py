@@ -9,12 +9,7 @@ reload starts no earlier than it ends. Where copies do not overlap compute (CPU)
 stalls compute for its whole duration. The host issues every kernel and transfer op in
 graph order, each at its cost in the device profile; nothing starts on the device before
 the host has issued it, so where the host is slower than the device (short kernels),
-each transfer op lengthens the step by its host cost. Where other forwards of the chunk
-run in turn with this one (``in_flight`` above 1: a pipeline stage's microbatches,
-blocks compiled each on their own), the host enters each pass as far ahead of the device
-as the passes before left it: without end where they leave it ahead at all
-(``host_lead``), so it holds the device back only where its own time for a pass is the
-longer.
+each transfer op lengthens the step by its host cost.
 """
 
 from __future__ import annotations
@@ -22,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import math
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterator, Sequence
 
@@ -175,23 +169,17 @@ class _Streams:
     and the host has issued it. Where copies cannot overlap compute, compute waits for
     each copy."""
 
-    def __init__(self, profile: DeviceProfile, host_lead: float = 0.0) -> None:
+    def __init__(self, profile: DeviceProfile) -> None:
         self.profile = profile
-        self.host_lead = host_lead
         self.host = 0.0
         self.clock = 0.0
         self.stall = 0.0
         self.host_wait = 0.0
 
-    @property
-    def issued(self) -> float:
-        """When the device sees what the host has issued so far."""
-        return self.host - self.host_lead
-
     def run(self, seconds: float, launches: int) -> float:
         """Issue and run one node; when it starts."""
         self.host += launches * self.profile.kernel_launch_seconds
-        start = max(self.clock, self.issued)
+        start = max(self.clock, self.host)
         self.host_wait += start - self.clock
         self.clock = start + seconds
         return start
@@ -201,7 +189,7 @@ class _Streams:
     ) -> tuple[float, float]:
         """A copy issued now, which may start once ``ready``."""
         self.host += host_seconds
-        start, end = queue.push(max(self.clock, self.issued, ready), seconds)
+        start, end = queue.push(max(self.clock, self.host, ready), seconds)
         if not self.profile.copies_overlap_compute:
             self.wait_for(end)
         return start, end
@@ -399,18 +387,9 @@ class _Timeline:
     backward_starts: tuple[float, ...]
 
 
-def host_lead(in_flight: int) -> float:
-    """How far the host is ahead of the device at each pass's start: none for a chunk
-    run alone; without end where other forwards run in turn with it (see above)."""
-    return math.inf if in_flight > 1 else 0.0
-
-
-def _run(
-    costs: ChunkCosts, transfers: Sequence[Transfer], backlog: float = 0.0, lead: float = 0.0
-) -> _Timeline:
-    """The step, the device-to-host queue busy until ``backlog`` into forward, the host
-    ``lead`` ahead of the device."""
-    streams = _Streams(costs.profile, lead)
+def _run(costs: ChunkCosts, transfers: Sequence[Transfer], backlog: float = 0.0) -> _Timeline:
+    """The step, the device-to-host queue busy until ``backlog`` into forward."""
+    streams = _Streams(costs.profile)
     profile = costs.profile
     copies = {t.root: _Copy(t) for t in transfers}
     waits = _by([t for t in transfers if not t.released], "wait_at")
@@ -465,9 +444,9 @@ def _run(
 
 
 @functools.lru_cache(maxsize=4)
-def _unhindered(costs: ChunkCosts, lead: float = 0.0) -> _Timeline:
+def _unhindered(costs: ChunkCosts) -> _Timeline:
     """The step with nothing moved; planning asks for it many times of the same chunk."""
-    return _run(costs, (), lead=lead)
+    return _run(costs, ())
 
 
 @functools.lru_cache(maxsize=4)
@@ -475,46 +454,35 @@ def _unhindered_peak(costs: ChunkCosts, in_flight: int) -> int:
     return peak_bytes(costs, (), in_flight)
 
 
-def unhindered_starts(
-    costs: ChunkCosts, in_flight: int = 1
-) -> tuple[tuple[float, ...], tuple[float, ...]]:
+def unhindered_starts(costs: ChunkCosts) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """When each forward and each backward node starts with nothing moved."""
-    timeline = _unhindered(costs, host_lead(in_flight))
+    timeline = _unhindered(costs)
     return timeline.forward_starts, timeline.backward_starts
 
 
-def _run_after_released(
-    costs: ChunkCosts, transfers: Sequence[Transfer], lead: float = 0.0
-) -> _Timeline:
+def _run_after_released(costs: ChunkCosts, transfers: Sequence[Transfer]) -> _Timeline:
     """The step as it runs after a forward of the same chunk: where copies are released,
     the queue is still busy with the forward before's as long as they outlast its end,
     and this forward's copies queue behind them. One more run finds that backlog where
     the copies take the queue no longer than forward, as the planner releases them
     only then (then the backlog does not change the last copy's end)."""
-    timeline = _run(costs, transfers, lead=lead)
+    timeline = _run(costs, transfers)
     ends = [c.offload_end for c in timeline.copies if c.transfer.released]
     backlog = max(ends, default=0.0) - timeline.forward_end
-    return _run(costs, transfers, backlog, lead) if backlog > 0 else timeline
-
-
-def _step_seconds(timeline: _Timeline) -> float:
-    """The step's end: the device's, or the host's where it issues for longer."""
-    return max(timeline.streams.clock, timeline.streams.host)
+    return _run(costs, transfers, backlog) if backlog > 0 else timeline
 
 
 def simulate(costs: ChunkCosts, transfers: Sequence[Transfer], in_flight: int = 1) -> Prediction:
-    lead = host_lead(in_flight)
-    timeline = _run_after_released(costs, transfers, lead)
+    timeline = _run_after_released(costs, transfers)
     streams = timeline.streams
-    forward = max(timeline.forward_end, timeline.forward_host)
     return Prediction(
-        forward_seconds=forward,
-        backward_seconds=_step_seconds(timeline) - forward,
+        forward_seconds=timeline.forward_end,
+        backward_seconds=streams.clock - timeline.forward_end,
         stall_seconds=streams.stall,
         host_wait_seconds=streams.host_wait,
         host_seconds=streams.host,
         peak_bytes=peak_bytes(costs, transfers, in_flight),
-        baseline_seconds=_step_seconds(_unhindered(costs, lead)),
+        baseline_seconds=_unhindered(costs).streams.clock,
         baseline_peak_bytes=_unhindered_peak(costs, in_flight),
         copies=tuple(
             CopyPrediction(

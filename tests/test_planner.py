@@ -239,36 +239,6 @@ def test_host_time_hidden_behind_the_device_costs_nothing():
     assert result.prediction.baseline_seconds == pytest.approx(20.1 * MS)
 
 
-SLOW_START = dataclasses.replace(
-    PROFILE, kernel_launch_seconds=0.5 * MS, offload_host_seconds=3 * MS, reload_host_seconds=3 * MS
-)
-"""The host issues a 1 ms kernel in 0.5 ms, and takes 3 ms for a transfer op."""
-
-
-def test_where_forwards_run_in_turn_the_host_enters_each_pass_ahead_of_the_device():
-    """Alone, an offload issued at forward's start makes the device wait for the host;
-    with other forwards before it (blocks compiled each on their own), the host is
-    ahead, and a host time shorter than the device's costs the step nothing."""
-    costs = chunk([group(0, MB)], SLOW_START)
-    moved_a0 = [Transfer("a0", MB, 0, 1, 9, 10)]
-    alone, in_turn = (simulate(costs, moved_a0, in_flight) for in_flight in (1, 2))
-    assert alone.host_wait_seconds > 0
-    assert alone.step_seconds > alone.baseline_seconds
-    assert in_turn.host_wait_seconds == 0
-    assert in_turn.step_seconds == pytest.approx(in_turn.baseline_seconds)
-    assert in_turn.baseline_seconds == pytest.approx(20 * MS)
-    assert moved(plan([group(0, MB)], tolerance=0.01, profile=SLOW_START)) == []
-    assert moved(plan([group(0, MB)], tolerance=0.01, profile=SLOW_START, in_flight=2)) == ["a0"]
-
-
-def test_where_forwards_run_in_turn_a_host_bound_step_takes_the_hosts_time():
-    # 20 kernels at 2 ms each: 40 ms of the host's; a transfer op each way adds 6 ms
-    costs = chunk([group(0, MB)], HOST_BOUND)
-    prediction = simulate(costs, [Transfer("a0", MB, 0, 1, 9, 10)], in_flight=2)
-    assert prediction.baseline_seconds == pytest.approx(40 * MS)
-    assert prediction.step_seconds == pytest.approx(46 * MS)
-
-
 @pytest.mark.parametrize("in_flight", [1, 2])
 def test_the_peak_without_one_transfer_is_that_of_the_others(in_flight):
     groups = [group(0, 4 * MB), group(1, 3 * MB), group(4, 2 * MB), group(8, MB)]
