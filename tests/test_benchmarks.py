@@ -268,6 +268,11 @@ def test_zoo_checks_autos_ratio_on_the_steps_taken_in_turns_where_measured():
     rows = [_zoo_row("compiled", peak_bytes=6 * gib), {**auto, "paired_step_ratio": 1.01}]
     assert "auto step ratio in turns 1.010 (target <= 1.03): met" in zoo.check_targets(rows)
     assert "auto step ratio 1.200 (target <= 1.03): MISSED" in zoo.check_targets(rows[:1] + [auto])
+    controlled = [{**rows[0], "paired_step_ratio": 1.04}, rows[1]]
+    assert (
+        "auto step ratio in turns 1.010 (the stock compile against a second one, in turns: "
+        "1.040) (target <= 1.03): met"
+    ) in zoo.check_targets(controlled)
 
 
 def test_a_paired_ratio_reads_the_slower_configuration_as_slower():
