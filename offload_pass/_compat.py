@@ -59,15 +59,43 @@ def stock_partition(
     joint: torch.fx.GraphModule,
     joint_inputs: Sequence[object],
     recompute_budget: float | None = None,
+    recompute_seconds: Callable[[torch.fx.Node], float] | None = None,
     **kwargs: Any,
 ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
     """The min-cut partitioner, with ``recompute_budget`` as torch's
-    ``activation_memory_budget`` where given (torch's own setting where None)."""
+    ``activation_memory_budget`` where given (torch's own setting where None). Under a
+    budget below 1 its knapsack chooses what to recompute, cheapest first: priced by
+    ``recompute_seconds`` where given and torch takes a runtime estimator of its own
+    (:func:`runtime_estimator`), else by torch's FLOP counts."""
     from torch._functorch import config
 
     budget = config.activation_memory_budget if recompute_budget is None else recompute_budget
-    with config.patch(activation_memory_budget=budget):
+    settings: dict[str, Any] = {"activation_memory_budget": budget}
+    estimator = None if recompute_seconds is None else runtime_estimator(recompute_seconds)
+    if estimator is not None:
+        settings["activation_memory_budget_runtime_estimator"] = estimator
+    with config.patch(**settings):
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+
+def runtime_estimator(seconds: Callable[[torch.fx.Node], float]) -> object | None:
+    """``seconds`` as the partitioner's runtime estimator, on a torch that takes one
+    (``CustomRuntimeEstimator``); None on one that prices by its own modes alone. Its
+    ``uuid`` is None: AOTAutograd's cache is bypassed, as for the pass's partitioner."""
+    from torch._inductor import custom_graph_pass
+
+    base = getattr(custom_graph_pass, "CustomRuntimeEstimator", None)
+    if base is None:
+        return None
+
+    class _Estimator(base):  # type: ignore[misc, valid-type]
+        def __call__(self, node: torch.fx.Node) -> float:
+            return seconds(node)
+
+        def uuid(self) -> None:
+            return None
+
+    return _Estimator()
 
 
 @contextlib.contextmanager

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -27,15 +28,15 @@ from offload_pass import _compat
 from offload_pass.analysis import SavedGroup, find_saved_groups
 from offload_pass.bucket import bucket_transfers
 from offload_pass.calibration import profile_for
-from offload_pass.costs import ChunkCosts, estimate_costs
-from offload_pass.graphs import ChunkGraphs
+from offload_pass.costs import ChunkCosts, estimate_costs, node_seconds
+from offload_pass.graphs import ChunkGraphs, forward_device
 from offload_pass.options import FractionRule, OffloadOptions
 from offload_pass.order import free_memory_early, resident_inputs
 from offload_pass.plan import Plan
 from offload_pass.planner import ChunkPlan, Request, plan_offloads
 from offload_pass.profiles import DeviceProfile
 from offload_pass.rewrite import insert_transfers
-from offload_pass.timing import timer_for
+from offload_pass.timing import alone_timer_for, timer_for
 
 
 def request_for(
@@ -62,6 +63,21 @@ def planning_profile(
         profile = profile.with_host_measured(host_scale)
     captured = options.compiler == "inductor" and _compat.inductor_captures_around_transfers()
     return profile.under_cuda_graphs() if captured else profile
+
+
+def recompute_pricing(
+    options: OffloadOptions, joint: torch.fx.GraphModule
+) -> Callable[[torch.fx.Node], float]:
+    """What recomputing each node of ``joint`` costs, as the cost model prices the node
+    (its time measured alone on the CUDA device present, else its FLOPs or traffic over
+    the profile's rates): what the partitioner weighs, under a recompute budget, in
+    choosing which values to compute again in backward rather than save, so that the
+    recomputation planned and the one simulated are priced alike."""
+    device = forward_device(joint)
+    profile = profile_for(options.profile, device)
+    return functools.partial(
+        node_seconds, profile=profile, timer=alone_timer_for(options.profile, device)
+    )
 
 
 class _StageClock:

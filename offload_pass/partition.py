@@ -12,7 +12,7 @@ from typing import Any
 import torch.fx
 
 from offload_pass import _compat, dump
-from offload_pass.driver import rewrite_chunk
+from offload_pass.driver import recompute_pricing, rewrite_chunk
 from offload_pass.graphs import ChunkGraphs
 from offload_pass.joint import Partition, plan_jointly, search_levels
 from offload_pass.options import FractionRule, OffloadOptions
@@ -21,9 +21,14 @@ from offload_pass.realized import held_recomputations
 
 
 def stock_splits(
-    joint: torch.fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
+    joint: torch.fx.GraphModule,
+    joint_inputs: Sequence[object],
+    recompute_seconds: Callable[[torch.fx.Node], float] | None = None,
+    **kwargs: Any,
 ) -> Partition:
-    """The stock min-cut partitioner's split of ``joint``, under a recompute budget.
+    """The stock min-cut partitioner's split of ``joint``, under a recompute budget,
+    choosing what to recompute by ``recompute_seconds`` where given
+    (``_compat.stock_partition``).
 
     Where the split recomputes values that Inductor would write out and hold through
     backward (:mod:`offload_pass.realized`), the partitioner splits again, told to save
@@ -32,7 +37,9 @@ def stock_splits(
     def stock(recompute_budget: float | None) -> ChunkGraphs:
         forward, backward = map(
             _compat.lazy_graph_module,
-            _compat.stock_partition(joint, joint_inputs, recompute_budget, **kwargs),
+            _compat.stock_partition(
+                joint, joint_inputs, recompute_budget, recompute_seconds=recompute_seconds, **kwargs
+            ),
         )
         return ChunkGraphs(forward, backward, kwargs["num_fwd_outputs"])
 
@@ -77,7 +84,8 @@ class OffloadPartitioner(_compat.PartitionerBase):
         # graphs) are garbage.
         with _compat.full_collections_deferred():
             levels = search_levels(self.options, joint)
-            partition = stock_splits(joint, joint_inputs, **kwargs)
+            pricing = recompute_pricing(self.options, joint)
+            partition = stock_splits(joint, joint_inputs, pricing, **kwargs)
             plan = rewrite_chunk(
                 plan_jointly(partition, self.options, self.rule, levels, self.host_scale),
                 self.name,

@@ -121,9 +121,22 @@ def timer_for(
     (``None`` or ``"calibrate"``), not where a named or given profile plans for another
     one; each time at the chunk's settled clock. The CPU is not timed: its copies do not
     overlap compute, so there is nothing to hide."""
-    if device.type != "cuda" or profile not in (None, CALIBRATE):
+    if not _times_kernels(profile, device):
         return None
     return SettledTimer(device, settled_slowdown(nodes, device))
+
+
+def alone_timer_for(
+    profile: DeviceProfile | str | None, device: torch.device
+) -> SettledTimer | None:
+    """A timer of nodes on ``device`` to be weighed against one another (which of them
+    the partitioner recomputes), where ``timer_for`` would time them: each at the clock
+    of an idle device, since one settled slowdown would scale them all alike."""
+    return SettledTimer(device, 1.0) if _times_kernels(profile, device) else None
+
+
+def _times_kernels(profile: DeviceProfile | str | None, device: torch.device) -> bool:
+    return device.type == "cuda" and profile in (None, CALIBRATE)
 
 
 def measured_seconds(node: torch.fx.Node, device: torch.device) -> float | None:

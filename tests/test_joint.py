@@ -10,10 +10,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from offload_pass import _compat
 from offload_pass import joint as joint_search
+from offload_pass.costs import node_seconds
 from offload_pass.driver import PlannedChunk
 from offload_pass.joint import RECOMPUTE_LEVELS, search_levels
 from offload_pass.options import OffloadOptions
+from offload_pass.partition import stock_splits
 from offload_pass.profiles import BUILT_IN
 from tests import models
 from tests.conftest import assert_same_step, compiled_pair, train_step
@@ -187,3 +190,53 @@ def test_a_level_no_nearer_a_budget_nothing_met_ends_the_search(monkeypatch):
     }
     kept, tried = _search(monkeypatch, splits)
     assert tried == [None, 0.8] and kept.recompute_budget is None
+
+
+def _saved_under(pricing, budget: float = 0.5) -> list[str]:
+    """What backward takes from forward (parameters and incoming gradients aside) where
+    the partition stage splits ``tanh(tanh(x @ a) @ b)`` under ``budget``, its
+    knapsack pricing each product by ``pricing``."""
+    saved: list[str] = []
+
+    def partition(joint, joint_inputs, **kwargs):
+        split = stock_splits(joint, joint_inputs, pricing, **kwargs)(budget)
+        inputs = split.backward.graph.find_nodes(op="placeholder")
+        saved.extend(n.name for n in inputs if not n.name.startswith(("primals", "tangents")))
+        return split.forward, split.backward
+
+    def backend(gm, example_inputs):
+        passes = _compat.after_inductor_joint_passes(partition)
+        return _compat.compile_with_eager(
+            gm, example_inputs, passes, _compat.inductor_decompositions()
+        )
+
+    def two_products(x, a, b):
+        return torch.tanh(torch.tanh(x @ a) @ b).sum()
+
+    x, a, b = (torch.randn(64, 64, requires_grad=True) for _ in range(3))
+    torch.compile(two_products, backend=backend)(x, a, b).backward()
+    return saved
+
+
+def test_the_partitioner_recomputes_the_products_the_pricing_makes_cheapest():
+    """Under a recompute budget the split saves the product priced dear and recomputes
+    the one priced cheap, whichever that is."""
+    second_dear = _saved_under(lambda node: 100.0 if node.name == "mm_1" else 1.0)
+    first_dear = _saved_under(lambda node: 100.0 if node.name == "mm" else 1.0)
+    assert "mm_1" in second_dear
+    assert "mm_1" not in first_dear
+
+
+def test_the_backend_prices_recomputation_as_the_cost_model_prices_nodes(monkeypatch):
+    priced: list[tuple[float, float]] = []
+    stock_partition = _compat.stock_partition
+
+    def spy(joint, joint_inputs, budget, recompute_seconds=None, **kwargs):
+        for node in joint.graph.find_nodes(op="call_function", target=torch.ops.aten.mm.default):
+            want = node_seconds(node, BUILT_IN["cpu"])
+            priced.append((recompute_seconds(node), want))
+        return stock_partition(joint, joint_inputs, budget, recompute_seconds, **kwargs)
+
+    monkeypatch.setattr(_compat, "stock_partition", spy)
+    _plan(memory_budget=BUDGET, profile="cpu")
+    assert priced and all(got == want > 0 for got, want in priced)
