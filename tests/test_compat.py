@@ -200,15 +200,22 @@ def test_stock_partition_runs_under_the_recompute_budget(monkeypatch):
     assert seen == [0.25, 0.6]
 
 
-def test_stock_partition_prices_recomputation_by_the_seconds_given(monkeypatch):
+def _record_estimator(monkeypatch) -> list[object]:
+    """The partitioner's runtime estimator at each call of the min-cut partitioner."""
     from torch._functorch import config
 
-    seen = _record_setting(
+    return _record_setting(
         monkeypatch,
         _compat,
         "min_cut_rematerialization_partition",
         lambda: config.activation_memory_budget_runtime_estimator,
     )
+
+
+def test_stock_partition_prices_recomputation_by_the_seconds_given(monkeypatch):
+    from torch._functorch import config
+
+    seen = _record_estimator(monkeypatch)
     _compat.stock_partition(None, [], 0.5, recompute_seconds=lambda node: 0.25)
     _compat.stock_partition(None, [], 0.5)
     estimator, default = seen
@@ -217,17 +224,11 @@ def test_stock_partition_prices_recomputation_by_the_seconds_given(monkeypatch):
 
 
 def test_a_torch_without_runtime_estimators_prices_recomputation_by_flops(monkeypatch):
-    from torch._functorch import config
     from torch._inductor import custom_graph_pass
 
     monkeypatch.delattr(custom_graph_pass, "CustomRuntimeEstimator", raising=False)
     assert _compat.runtime_estimator(lambda node: 0.25) is None
-    seen = _record_setting(
-        monkeypatch,
-        _compat,
-        "min_cut_rematerialization_partition",
-        lambda: config.activation_memory_budget_runtime_estimator,
-    )
+    seen = _record_estimator(monkeypatch)
     _compat.stock_partition(None, [], 0.5, recompute_seconds=lambda node: 0.25)
     assert seen == ["flops"]
 
