@@ -48,7 +48,7 @@ def _reload_after_stalled_offload() -> tuple[bool, bool]:
     ticket = ops.offload([a, b], layouts)
     hosts = runtime._pending_offloads[int(ticket)].buffers
     reloading = ops.reload(hosts[::-1], a.device, [])
-    in_flight = not runtime._offload_done[hosts[0].untyped_storage().data_ptr()].query()
+    in_flight = not runtime.offload_done(hosts[0]).query()
     reloaded = ops.reload_wait(reloading, hosts[::-1], a.device)
     same = torch.equal(reloaded[1], a) and torch.equal(reloaded[0], b)
     ops.offload_wait(ticket, [a, b], layouts, [])
@@ -135,7 +135,7 @@ def _released_then_reused() -> tuple[bool, bool]:
     _stall(runtime.copy_streams(a.device).device_to_host)
     ticket = ops.offload([a], layouts)
     (h,) = ops.offload_release(ticket, [a], layouts, [])
-    stalled = not runtime._offload_done[h.untyped_storage().data_ptr()].query()
+    stalled = not runtime.offload_done(h).query()
     del a, ticket
     fresh = torch.zeros(64 * 2**20, device="cuda")
     torch.cuda.synchronize()
