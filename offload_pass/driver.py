@@ -72,12 +72,17 @@ def recompute_pricing(
     (its time measured alone on the CUDA device present, else its FLOPs or traffic over
     the profile's rates): what the partitioner weighs, under a recompute budget, in
     choosing which values to compute again in backward rather than save, so that the
-    recomputation planned and the one simulated are priced alike."""
+    recomputation planned and the one simulated are priced alike. The profile is resolved
+    at the first node priced: a split under no recompute budget prices none."""
     device = forward_device(joint)
-    profile = profile_for(options.profile, device)
-    return functools.partial(
-        node_seconds, profile=profile, timer=alone_timer_for(options.profile, device)
-    )
+
+    @functools.cache
+    def pricing() -> Callable[[torch.fx.Node], float]:
+        profile = profile_for(options.profile, device)
+        timer = alone_timer_for(options.profile, device)
+        return functools.partial(node_seconds, profile=profile, timer=timer)
+
+    return lambda node: pricing()(node)
 
 
 class _StageClock:
