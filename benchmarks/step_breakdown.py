@@ -23,7 +23,15 @@ from benchmarks import workloads, zoo
 from offload_pass.plan import Plan
 
 WARM_UP_STEPS = 2
-PRODUCT_TARGETS = ("mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward")
+PRODUCT_TARGETS = (
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "_grouped_mm",
+    "convolution",
+    "convolution_backward",
+)
 PRODUCT_KERNELS = ("gemm", "nvjet", "cutlass", "xmma", "cublas", "conv", "wgrad", "dgrad")
 ATTENTION_KERNELS = ("flash", "fmha", "cudnn", "attention", "sdpa")
 

@@ -618,13 +618,28 @@ def is_compiled_module(module: torch.nn.Module) -> bool:
     return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
 
 
+def grouped_mm_flops(
+    mat_a: torch.Tensor, mat_b: torch.Tensor, *args: Any, out_val: Any = None, **kwargs: Any
+) -> int:
+    """FLOPs of ``aten._grouped_mm``: each output element is one dot product along the
+    dimension the operands share. A 2-D operand's rows (or, 2-D by 2-D, the shared
+    dimension) are split among the groups, so the work is that of one product over all
+    of them: for ``(M, K)`` by ``(G, K, N)``, ``2 M K N``; for ``(G, M, K)`` by
+    ``(K, N)``, whose columns are split, ``2 M K N``."""
+    if mat_a.dim() == 3 and mat_b.dim() == 2:
+        return 2 * mat_b.numel() * mat_a.shape[-2]
+    return 2 * mat_a.numel() * mat_b.shape[-1]
+
+
 def _flop_formulas(
     registry: dict[Any, Any] | None = None, grouped_heads: bool | None = None
 ) -> dict[Any, Callable[..., int]]:
     """torch's flop formulas (``registry``, default torch's own), plus its attention
     formulas for the CPU attention kernels where the registry lacks them, as torch
     before 2.15 does (so a graph traced on the CPU prices attention as the GPU kernels
-    would); torch 2.15 registers the same formulas for them itself, which are kept.
+    would); torch 2.15 registers the same formulas for them itself, which are kept. And
+    one for the grouped product (``_grouped_mm``, a mixture of experts' projections),
+    which no torch up to 2.15 counts; a registry's own is kept.
 
     torch before 2.13 counts attention only with as many key/value heads as query heads
     and raises on grouped-query attention (``grouped_heads``, default: probed on this
@@ -640,6 +655,8 @@ def _flop_formulas(
     ):
         if hasattr(aten, op):
             formulas.setdefault(getattr(aten, op), formula)
+    if hasattr(aten, "_grouped_mm"):
+        formulas.setdefault(aten._grouped_mm, grouped_mm_flops)
     if grouped_heads is None:
         grouped_heads = _counts_grouped_heads(flop_counter.sdpa_flop_count)
     if not grouped_heads:

@@ -153,6 +153,42 @@ def test_attention_formulas_broadcast_heads_where_torch_counts_equal_heads_only(
     assert formulas[_CPU_ATTENTION[0]](*values) == 4 * 2 * 4 * 8 * 8 * 16
 
 
+def _grouped_products() -> list[torch.fx.Node]:
+    """The grouped products of a traced mixture-of-experts projection and its gradients:
+    24 tokens among 3 experts, 16 features in, 8 out."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def project(tokens, experts, offsets, grad):
+        out = torch._grouped_mm(tokens, experts, offs=offsets)
+        return torch.autograd.grad(out, (tokens, experts), grad)
+
+    tokens = torch.randn(24, 16, dtype=torch.bfloat16, requires_grad=True)
+    experts = torch.randn(3, 16, 8, dtype=torch.bfloat16, requires_grad=True)
+    offsets = torch.tensor([8, 16, 24], dtype=torch.int32)
+    grad = torch.randn(24, 8, dtype=torch.bfloat16)
+    graph = make_fx(project, tracing_mode="fake")(tokens, experts, offsets, grad).graph
+    return [n for n in graph.nodes if n.target is torch.ops.aten._grouped_mm.default]
+
+
+def test_grouped_products_are_counted_as_one_product_over_every_group():
+    forward, *gradients = _grouped_products()
+    assert len(gradients) == 2  # the tokens' gradient and the experts' (2-D by 2-D)
+    assert [_compat.flop_count(n) for n in (forward, *gradients)] == [2 * 24 * 16 * 8] * 3
+
+
+def test_grouped_product_with_columns_split_among_groups():
+    a, b = torch.empty(3, 4, 16), torch.empty(16, 24)  # (G, M, K) by (K, N) -> (M, N)
+    assert _compat.grouped_mm_flops(a, b) == 2 * 4 * 16 * 24
+
+
+def test_grouped_product_formula_of_the_registry_is_kept():
+    def own(*args, **kwargs):
+        return 1
+
+    formulas = _compat._flop_formulas({torch.ops.aten._grouped_mm: own})
+    assert formulas[torch.ops.aten._grouped_mm] is own
+
+
 def test_grouped_heads_support_is_probed_from_torch_formula():
     def equal_heads_only(query_shape, key_shape, value_shape):
         assert query_shape == key_shape
