@@ -18,6 +18,8 @@
 #               (benchmarks/reduce_overhead.py)
 #   plan-repeat W2's plan under a budget in fresh processes, with the device cache and
 #               without (benchmarks/plan_repeat.py)
+#   checkpointing  W1 and W2 each under a budget at full checkpointing's peak (7.35 and
+#               12.45 GiB), beside checkpointing and the stock compile (benchmarks/compare.py)
 # With no argument compare, cuda-tests, zoo, example and breakdown run; `--only STEP
 # [STEP ...]` runs those alone. Logs and results go to $OUT (or ./out); the exit status is pytest's.
 set -o pipefail
@@ -76,9 +78,15 @@ for step in "${steps[@]}"; do
     plan-repeat)
         python -m benchmarks.plan_repeat 2>&1 | tee "$out/plan_repeat.log"
         ;;
+    checkpointing)
+        python -m benchmarks.compare --out "$out" --workloads W1 --steps 6 --configs compiled \
+            "checkpoint blocks" "offload_pass budget 7.35 GiB" 2>&1 | tee "$out/checkpointing.log"
+        python -m benchmarks.compare --out "$out" --workloads W2 --steps 6 --configs compiled \
+            "checkpoint blocks" "offload_pass budget 12.45 GiB" 2>&1 | tee -a "$out/checkpointing.log"
+        ;;
     *)
         echo "unknown step $step (compare, cuda-tests, zoo, zoo-bench, example, overhead, kernels," \
-            "finetune, breakdown, steps, cuda-graphs, plan-repeat)" >&2
+            "finetune, breakdown, steps, cuda-graphs, plan-repeat, checkpointing)" >&2
         exit 2
         ;;
     esac
