@@ -52,6 +52,20 @@ def test_a_matrix_product_is_priced_by_its_flops():
     assert node_seconds(mm, PROFILE) == pytest.approx(2 * 6 * 4 * 8 / 1e3)
 
 
+def test_a_grouped_product_is_priced_by_its_flops_at_the_matrix_rate():
+    """A mixture of experts' projection: 24 tokens sorted among 3 experts, 16 in, 8 out."""
+
+    def project(tokens, experts, offsets):
+        return torch._grouped_mm(tokens, experts, offs=offsets)
+
+    tokens = torch.randn(24, 16, dtype=torch.bfloat16)
+    experts = torch.randn(3, 16, 8, dtype=torch.bfloat16)
+    offsets = torch.tensor([8, 16, 24], dtype=torch.int32)
+    graph = make_fx(project, tracing_mode="fake")(tokens, experts, offsets).graph
+    product = _node(graph, torch.ops.aten._grouped_mm.default)
+    assert node_seconds(product, PROFILE) == pytest.approx(2 * 24 * 16 * 8 / 1e3)
+
+
 def test_an_elementwise_op_is_priced_by_the_bytes_it_moves():
     backward = _chunk().backward.graph
     mul = _node(backward, torch.ops.aten.mul.Tensor)
