@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from offload_pass.explain import explain
-from offload_pass.options import OffloadOptions
+from offload_pass.options import SEARCH, OffloadOptions
 from offload_pass.report import format_graphs
 
 
@@ -39,6 +39,19 @@ def load_factory(spec: str) -> Callable[[], Any]:
     return getattr(module, name)
 
 
+def _recompute_budget(text: str) -> float | str:
+    """``--recompute-budget``'s value: a share (its range checked with the options), or
+    ``search``."""
+    if text == SEARCH:
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be a number in (0, 1] or {SEARCH!r}, got {text!r}"
+        ) from None
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m offload_pass", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -49,7 +62,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     mode.add_argument("--memory-budget", type=float, help="share of the peak without offloading")
     plan.add_argument("--stall-tolerance", type=float, default=0.02)
     plan.add_argument(
-        "--recompute-budget", type=float, help="torch's activation_memory_budget, in (0, 1]"
+        "--recompute-budget",
+        type=_recompute_budget,
+        help="torch's activation_memory_budget, in (0, 1], or 'search' to let the pass choose",
     )
     plan.add_argument("--profile", help="h200, h100, a100, cpu, calibrate (default: by device)")
     plan.add_argument("--min-bytes", type=int, default=256 * 1024)

@@ -7,7 +7,7 @@ import os
 import types
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.fx
@@ -211,7 +211,7 @@ def backend(
     compiler: str = "inductor",
     dump_dir: str | os.PathLike[str] | None = None,
     in_flight_microbatches: int = 1,
-    recompute_budget: float | None = None,
+    recompute_budget: float | Literal["search"] | None = None,
 ) -> OffloadBackend:
     """A torch.compile backend that offloads saved activations to pinned host memory.
 
@@ -255,6 +255,10 @@ def backend(
             left. None keeps ``torch._functorch.config.activation_memory_budget``, or,
             with ``memory_budget``, lets the pass choose a lower one; giving one fixes the
             split (1.0: the stock split, which recomputes only cheap fusible ops).
+            ``"search"`` lets the pass choose in ``auto`` too: the split whose plan
+            predicts the lowest peak within ``stall_tolerance`` of the stock split's step
+            with nothing moved, so that what is cheaper to recompute than to keep is
+            recomputed (each split tried costs a partition; not with ``fraction``).
     """
     options = OffloadOptions(
         fraction=fraction,

@@ -19,6 +19,8 @@ Compiler = Literal["inductor", "eager"]
 COMPILERS: tuple[str, ...] = ("inductor", "eager")
 DEFAULT_MIN_BYTES = 256 * 1024
 DEFAULT_STALL_TOLERANCE = 0.02
+SEARCH: Literal["search"] = "search"
+"""``recompute_budget``'s value that lets the pass choose the split (offload_pass.joint)."""
 
 
 def check_fraction(value: object, what: str = "fraction") -> float:
@@ -54,7 +56,7 @@ class OffloadOptions:
     compiler: Compiler = "inductor"
     dump_dir: str | os.PathLike[str] | None = None
     in_flight_microbatches: int = 1
-    recompute_budget: float | None = None
+    recompute_budget: float | Literal["search"] | None = None
 
     def __post_init__(self) -> None:
         if self.fraction is not None and self.memory_budget is not None:
@@ -75,6 +77,11 @@ class OffloadOptions:
         }
         for name, value in checked.items():
             object.__setattr__(self, name, value)
+        if self.fraction is not None and self.recompute_budget == SEARCH:
+            raise ValueError(
+                f"recompute_budget={SEARCH!r} chooses the split for auto or memory_budget; "
+                "with fraction, give the split's budget as a number in (0, 1]"
+            )
 
     @property
     def default_fraction(self) -> float | None:
@@ -87,6 +94,12 @@ class OffloadOptions:
     @property
     def patterns(self) -> tuple[tuple[str, float], ...]:
         return self.fraction if isinstance(self.fraction, tuple) else ()
+
+    @property
+    def fixed_recompute_budget(self) -> float | None:
+        """The split's recompute budget where the options fix one; None for torch's
+        setting, as the first split a search tries."""
+        return None if self.recompute_budget == SEARCH else self.recompute_budget
 
     @property
     def mode(self) -> str:
@@ -129,11 +142,13 @@ def _check_in_flight(count: object) -> int:
     return count
 
 
-def _check_recompute_budget(budget: object) -> float | None:
-    if budget is None:
-        return None
+def _check_recompute_budget(budget: object) -> float | Literal["search"] | None:
+    if budget is None or (isinstance(budget, str) and budget == SEARCH):
+        return budget  # type: ignore[return-value]
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        raise TypeError(f"recompute_budget must be a number in (0, 1], got {budget!r}")
+        raise TypeError(
+            f"recompute_budget must be a number in (0, 1] or {SEARCH!r}, got {budget!r}"
+        )
     if not 0.0 < budget <= 1.0:
         raise ValueError(f"recompute_budget must be in (0, 1], got {budget!r}")
     return float(budget)

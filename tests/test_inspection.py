@@ -127,6 +127,15 @@ def test_cli_passes_the_recompute_budget_on(capsys):
         cli.main([*factory, "--recompute-budget", "1.5"])
 
 
+def test_cli_takes_search_as_the_recompute_budget(capsys):
+    factory = ["explain", "examples/inspect_plan.py:gpt", "--profile", "h200"]
+    cli.main([*factory, "--recompute-budget", "search"])
+    assert capsys.readouterr().out.startswith("offload plan for chunk")
+    with pytest.raises(SystemExit):
+        cli.main([*factory, "--recompute-budget", "half"])
+    assert "must be a number in (0, 1] or 'search', got 'half'" in capsys.readouterr().err
+
+
 def test_cli_rejects_a_bad_option_before_building_the_model():
     with pytest.raises(SystemExit, match="explain: .*fraction"):
         cli.main(["explain", "no_such_module:factory", "--fraction", "1.5"])

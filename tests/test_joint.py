@@ -127,24 +127,32 @@ def test_no_search_where_the_graph_carries_its_own_recompute_budget():
     assert search_levels(OffloadOptions(memory_budget=BUDGET), joint) == ()
 
 
-def _stub_split(step_ms: float, unmoved_ms: float, level: float | None, shortfall: int = 0):
+def _stub_split(
+    step_ms: float, unmoved_ms: float, level: float | None, shortfall: int = 0, peak: int = 0
+):
     """A planned split as the search reads it: its predicted step, its step with nothing
-    moved, and what it misses the budget by."""
-    prediction = SimpleNamespace(step_seconds=step_ms / 1e3, baseline_seconds=unmoved_ms / 1e3)
+    moved, what it misses the budget by, and its predicted peak."""
+    prediction = SimpleNamespace(
+        step_seconds=step_ms / 1e3, baseline_seconds=unmoved_ms / 1e3, peak_bytes=peak
+    )
     planned = SimpleNamespace(prediction=prediction, budget_shortfall=shortfall, budget_bytes=1)
     return PlannedChunk(None, None, planned, {}, level)
 
 
-def _search(monkeypatch, splits: dict[float | None, PlannedChunk]):
+def _search(monkeypatch, splits: dict[float | None, PlannedChunk], **options):
+    """The search over ``splits`` by level (each partition stands in as its level), with
+    ``options`` (default: a memory budget); the split kept and the levels planned."""
     tried: list[float | None] = []
 
-    def planned(partition, level, options, rule, host_scale):
+    def planned(level, options, rule, host_scale):
         tried.append(level)
         return splits[level]
 
-    monkeypatch.setattr(joint_search, "_planned", planned)
-    options = OffloadOptions(memory_budget=0.5)
-    kept = joint_search.plan_jointly(None, options, options.fraction_rule(), RECOMPUTE_LEVELS)
+    monkeypatch.setattr(joint_search, "plan_chunk", planned)
+    chosen = OffloadOptions(**(options or {"memory_budget": 0.5}))
+    kept = joint_search.plan_jointly(
+        lambda level: level, chosen, chosen.fraction_rule(), RECOMPUTE_LEVELS
+    )
     return kept, tried
 
 
@@ -190,6 +198,73 @@ def test_a_level_no_nearer_a_budget_nothing_met_ends_the_search(monkeypatch):
     }
     kept, tried = _search(monkeypatch, splits)
     assert tried == [None, 0.8] and kept.recompute_budget is None
+
+
+AUTO_SEARCH = {"recompute_budget": "search", "stall_tolerance": 0.02}
+"""auto, choosing the split: within 2% of the stock split's 100 ms step below."""
+
+
+def test_auto_keeps_the_split_with_the_lowest_peak_within_the_tolerance(monkeypatch):
+    splits = {
+        None: _stub_split(100, 100, None, peak=10),
+        0.8: _stub_split(101, 100.5, 0.8, peak=7),
+        0.6: _stub_split(101.5, 101.5, 0.6, peak=6),
+        0.4: _stub_split(103, 103, 0.4, peak=5),  # recomputing past the tolerance
+    }
+    kept, tried = _search(monkeypatch, splits, **AUTO_SEARCH)
+    assert tried == [None, 0.8, 0.6, 0.4] and kept.recompute_budget == 0.6
+    assert kept.stage_seconds["search"] >= 0
+
+
+def test_auto_does_not_keep_a_split_planned_past_the_stock_step(monkeypatch):
+    """Each split's own plan moves within the tolerance of its own step: one close to the
+    limit can plan past it, and a lower peak does not make up for that."""
+    splits = {
+        None: _stub_split(100, 100, None, peak=10),
+        0.8: _stub_split(103, 101, 0.8, peak=5),
+        0.6: _stub_split(102.5, 102.5, 0.6, peak=4),
+    }
+    kept, tried = _search(monkeypatch, splits, **AUTO_SEARCH)
+    assert tried == [None, 0.8, 0.6] and kept.recompute_budget is None
+
+
+def test_auto_keeps_the_stock_split_where_recomputing_lowers_no_peak(monkeypatch):
+    splits = {
+        None: _stub_split(100, 100, None, peak=10),
+        0.8: _stub_split(100, 100, 0.8, peak=10),
+        0.6: _stub_split(101, 101, 0.6, peak=11),
+        0.4: _stub_split(101, 101, 0.4, peak=10),
+        0.2: _stub_split(101, 101, 0.2, peak=10),
+    }
+    kept, _ = _search(monkeypatch, splits, **AUTO_SEARCH)
+    assert kept.recompute_budget is None
+
+
+def test_auto_searches_the_splits_only_where_asked():
+    joint = torch.fx.symbolic_trace(models.MLP())
+    assert search_levels(OffloadOptions(recompute_budget="search"), joint) == RECOMPUTE_LEVELS
+    assert search_levels(OffloadOptions(), joint) == ()
+    budget = OffloadOptions(memory_budget=BUDGET, recompute_budget="search")
+    assert search_levels(budget, joint) == RECOMPUTE_LEVELS
+
+
+def test_auto_choosing_its_split_trains_as_the_stock_compile_of_that_split():
+    """On the CPU nothing moves, so what auto may do is recompute: on the small stack it
+    recomputes where that lowers the predicted peak within the tolerance, and backward
+    computes what the stock compile computes under that split."""
+    model, reference, backend = compiled_pair(
+        models.BlockStack, "eager", recompute_budget="search", stall_tolerance=0.1
+    )
+    x = torch.randn(2, 16, 32)
+    steps = [train_step(model, x, seed=step) for step in range(2)]
+    (plan,) = backend.plans
+    assert plan.recompute_budget in RECOMPUTE_LEVELS
+    assert plan.prediction.peak_bytes < _plan().prediction.peak_bytes
+    assert plan.prediction.step_seconds <= 1.1 * _plan().prediction.baseline_seconds
+    with torch._functorch.config.patch(activation_memory_budget=plan.recompute_budget):
+        expected = [train_step(reference, x, seed=step) for step in range(2)]
+    for step, want in zip(steps, expected, strict=True):
+        assert_same_step(step, want)
 
 
 def _saved_under(pricing, budget: float = 0.5) -> list[str]:

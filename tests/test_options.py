@@ -176,7 +176,7 @@ def test_in_flight_microbatches_of_known_schedules():
         in_flight_microbatches("Schedule1F1B", 4, 4, 8)
 
 
-@pytest.mark.parametrize("budget", [0, 0.0, 1.5, -0.2, True, "0.5"])
+@pytest.mark.parametrize("budget", [0, 0.0, 1.5, -0.2, True, "0.5", "Search"])
 def test_bad_recompute_budget_is_rejected(budget):
     with pytest.raises((ValueError, TypeError), match="recompute_budget"):
         offload_pass.backend(recompute_budget=budget)
@@ -185,6 +185,15 @@ def test_bad_recompute_budget_is_rejected(budget):
 def test_recompute_budget_is_kept_as_a_share():
     assert offload_pass.backend(recompute_budget=1).options.recompute_budget == 1.0
     assert offload_pass.backend().options.recompute_budget is None
+
+
+def test_recompute_budget_search_lets_auto_and_budgets_choose_the_split():
+    for options in ({}, {"memory_budget": 0.5}):
+        chosen = offload_pass.backend(recompute_budget="search", **options).options
+        assert chosen.recompute_budget == "search"
+        assert chosen.fixed_recompute_budget is None  # the search starts at torch's setting
+    with pytest.raises(ValueError, match="recompute_budget='search'.*with fraction"):
+        offload_pass.backend(fraction=0.5, recompute_budget="search")
 
 
 def test_options_are_checked_when_made_and_when_replaced():
