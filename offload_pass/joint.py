@@ -128,7 +128,8 @@ def _lowest_peak_in_time(
     best = stock
     slowest = stock.planned.prediction.baseline_seconds * (1 + options.stall_tolerance)
     for level in levels:
-        prediction = (tried := plan_at(level)).planned.prediction
+        tried = plan_at(level)
+        prediction = tried.planned.prediction
         if prediction.baseline_seconds > slowest:
             break
         if prediction.step_seconds <= slowest and prediction.peak_bytes < _peak(best):
