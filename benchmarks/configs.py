@@ -233,6 +233,8 @@ def our_configs(budgets: tuple[float, ...]) -> list[Config]:
         Config(f"offload_pass auto, recompute {r:g}", "offload_pass", ours(recompute_budget=r))
         for r in (0.7, 0.5)
     ]
+    search = ours(recompute_budget="search")
+    configs.append(Config("offload_pass auto, recompute search", "offload_pass", search))
     return configs
 
 

@@ -306,6 +306,11 @@ def whole_configs() -> list[Config]:
     return [
         Config("compiled", "no offload", _stock),
         Config("offload_pass auto", "offload_pass", _ours()),
+        Config(
+            "offload_pass auto, recompute search",
+            "offload_pass",
+            _ours(recompute_budget="search"),
+        ),
         Config("offload_pass fraction 0.5", "offload_pass", _ours(fraction=0.5)),
         Config("offload_pass budget 0.7", "offload_pass", _ours(memory_budget=0.7)),
         Config("memory_budget 0.7", "memory_budget", _partitioner_budget),
