@@ -113,6 +113,7 @@ def timed_pass(workload: workloads.Workload, layers: int, options: OffloadOption
 
 
 SEARCHED = "budget 0.7, as the backend plans it"
+AUTO_SEARCHED = "auto, choosing its split"
 MODES = {
     "auto": OffloadOptions(min_bytes=0, profile="h200"),
     "fraction 1": OffloadOptions(fraction=1.0, min_bytes=0, profile="h200"),
@@ -120,10 +121,13 @@ MODES = {
         memory_budget=0.7, recompute_budget=1.0, min_bytes=0, profile="h200"
     ),
     SEARCHED: OffloadOptions(memory_budget=0.7, min_bytes=0, profile="h200"),
+    AUTO_SEARCHED: OffloadOptions(recompute_budget="search", min_bytes=0, profile="h200"),
 }
 """The plain budget row fixes the stock split (``recompute_budget=1.0``, torch's own
-setting); the searched one lets the joint search (offload_pass.joint) split the graph
-again under lower recompute budgets: its ``search`` column."""
+setting); the searched ones let the joint search (offload_pass.joint) split the graph
+again under lower recompute budgets, for the budget or for ``auto``: their ``search``
+column, and the wall time with every partition."""
+SEARCHING = (SEARCHED, AUTO_SEARCHED)
 STAGES = ("order", "analyse", "costs", "plan", "bucket", "search", "rewrite")
 COLLECTIONS = "full GC s"
 WALL = "with partitions s"
@@ -145,7 +149,7 @@ def row(layers: int, mode: str, runs: Sequence[TimedPass]) -> list[object]:
     median = {k: statistics.median(r.stage_seconds.get(k, 0.0) for r in runs) for k in STAGES}
     total = statistics.median(sum(r.stage_seconds.get(k, 0.0) for k in STAGES) for r in runs)
     collections = statistics.median(r.collections for r in runs)
-    wall = f"{statistics.median(r.wall for r in runs):.3f}" if mode == SEARCHED else ""
+    wall = f"{statistics.median(r.wall for r in runs):.3f}" if mode in SEARCHING else ""
     size = runs[0].size
     return [
         layers,
