@@ -62,7 +62,8 @@ def search_levels(options: OffloadOptions, joint: torch.fx.GraphModule) -> tuple
     collective, which ranks planning differently would call a different number of
     times)."""
     chosen = options.recompute_budget
-    if chosen != SEARCH and (options.memory_budget is None or chosen is not None):
+    searching = chosen == SEARCH or (chosen is None and options.memory_budget is not None)
+    if not searching:
         return ()
     if _compat.budget_annotated(joint) or _compat.partitions_sync_across_ranks():
         return ()
