@@ -14,7 +14,7 @@ import re
 import threading
 import types
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -99,17 +99,30 @@ def runtime_estimator(seconds: Callable[[torch.fx.Node], float]) -> object | Non
 
 
 @contextlib.contextmanager
-def saved_by_partitioner(joint: torch.fx.GraphModule, names: frozenset[str]) -> Iterator[None]:
-    """While open, the partitioner must save the joint graph's nodes named ``names``: each
-    carries the selective-checkpointing policy ``MUST_SAVE``, which the min-cut partitioner
-    reads. Nodes that carry a policy of their own keep it. The partitioner's common
-    subexpression pass replaces ``joint.graph`` by a copy, marks and all: the marks are
-    lifted from both."""
+def partitioner_policies(
+    joint: torch.fx.GraphModule,
+    saved: frozenset[str] = frozenset(),
+    recomputed: Mapping[str, int] | None = None,
+) -> Iterator[None]:
+    """While open, the partitioner must save the joint graph's nodes named in ``saved``
+    and compute those named in ``recomputed`` again in backward, each in the region its
+    number gives (the partitioner saves a value one region makes and a later one reads,
+    as at the boundary of two checkpointed blocks). The marks are the selective-
+    checkpointing policies ``MUST_SAVE`` and ``MUST_RECOMPUTE``, and ``ac_graph_id``,
+    which the min-cut partitioner reads. Nodes that carry a policy of their own keep it.
+    The partitioner's common subexpression pass replaces ``joint.graph`` by a copy, marks
+    and all: the marks are lifted from both."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    marked = [n for n in joint.graph.nodes if n.name in names and "recompute" not in n.meta]
+    regions = recomputed or {}
+    unmarked = [n for n in joint.graph.nodes if "recompute" not in n.meta]
+    marked = [n for n in unmarked if n.name in regions or n.name in saved]
     for node in marked:
-        node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+        if node.name in regions:
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            node.meta["ac_graph_id"] = regions[node.name]
+        else:
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
     try:
         yield
     finally:
@@ -117,6 +130,13 @@ def saved_by_partitioner(joint: torch.fx.GraphModule, names: frozenset[str]) -> 
         copies = [n for n in joint.graph.nodes if n.name in marked_names]
         for node in (*marked, *copies):
             node.meta.pop("recompute", None)
+            node.meta.pop("ac_graph_id", None)
+
+
+def is_tangent(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is an input of a joint graph's backward (a tangent): AOTAutograd
+    names them so, and its partitioner tells them by that name."""
+    return node.op == "placeholder" and "tangents" in str(node.target)
 
 
 GEN2_THRESHOLD_WHILE_COMPILING = 1000
@@ -537,26 +557,33 @@ def split_source_path(path: str) -> tuple[str, str]:
     return root, rest
 
 
-def _stack_entries(node: torch.fx.Node) -> list[tuple[str, str, int | None]]:
-    """(root source, path below it, id of the module or None), outermost first.
+def _stack_entries(node: torch.fx.Node) -> list[tuple[str, str, int | None, str]]:
+    """(root source, path below it, id of the module or None, the module's class name),
+    outermost first.
 
     Dynamo keys ``nn_module_stack`` by the id of each module it inlined.
     """
     stack = node.meta.get("nn_module_stack") or {}
     entries = []
-    for key, (source, _) in stack.items():
+    for key, (source, kind) in stack.items():
         root, path = split_source_path(source)
-        entries.append((root, path, int(key) if str(key).isdigit() else None))
+        module_id = int(key) if str(key).isdigit() else None
+        entries.append((root, path, module_id, getattr(kind, "__qualname__", str(kind))))
     return entries
 
 
 def module_stack(node: torch.fx.Node) -> tuple[tuple[str, int | None], ...]:
     """(path below the compiled root, id of the module or None), outermost first."""
-    return tuple((path, module_id) for _, path, module_id in _stack_entries(node))
+    return tuple((path, module_id) for _, path, module_id, _ in _stack_entries(node))
+
+
+def module_classes(node: torch.fx.Node) -> tuple[tuple[str, str], ...]:
+    """(path below the compiled root, the module's class name), outermost first."""
+    return tuple((path, kind) for _, path, _, kind in _stack_entries(node))
 
 
 def module_stack_sources(node: torch.fx.Node) -> set[str]:
-    return {root for root, _, _ in _stack_entries(node)}
+    return {root for root, _, _, _ in _stack_entries(node)}
 
 
 def register_backend_name(name: str, compiler_fn: Callable[..., Any]) -> None:
@@ -691,16 +718,52 @@ def _broadcasting_heads(formula: Callable[..., int], query_at: int) -> Callable[
     return count
 
 
+@dataclasses.dataclass(frozen=True)
+class ComputedOp:
+    """The ATen op a node computes, its arguments (nodes and constants, as the graph
+    holds them) and the value the op itself returns."""
+
+    target: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    value: Any
+
+
+_RANDOM_STATE_WRAPPERS = {
+    "run_and_save_rng_state": 0,
+    "run_with_rng_state": 1,
+    "graphsafe_run_with_rng_state": 0,
+}
+"""Torch's higher-order ops that run an ATen op under a saved random-number state, as the
+partitioner writes an op it computes again in backward that draws random numbers: the
+place of the op among their arguments."""
+
+
+def computed_op(node: torch.fx.Node) -> ComputedOp:
+    """What ``node`` computes: its own target, or the op a random-state wrapper runs
+    (``run_and_save_rng_state`` returns the state beside the op's value)."""
+    name = getattr(node.target, "__name__", None)
+    value = node.meta.get("val")
+    at = _RANDOM_STATE_WRAPPERS.get(name) if isinstance(name, str) else None
+    if at is None or not isinstance(node.target, torch._ops.HigherOrderOperator):
+        return ComputedOp(node.target, tuple(node.args), dict(node.kwargs), value)
+    kwargs = {k: v for k, v in node.kwargs.items() if k != "rng_state"}
+    if name == "run_and_save_rng_state" and isinstance(value, tuple):
+        value = value[1]
+    return ComputedOp(node.args[at], tuple(node.args[at + 1 :]), kwargs, value)
+
+
 def flop_count(node: torch.fx.Node) -> int:
-    """FLOPs of one ATen node by torch's flop formulas on its fake values; 0 if none."""
-    target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
+    """FLOPs of one ATen node, or of the op a random-state wrapper runs
+    (:func:`computed_op`), by torch's flop formulas on its fake values; 0 if none."""
+    op = computed_op(node)
+    if not isinstance(op.target, torch._ops.OpOverload):
         return 0
-    formula = _FLOP_FORMULAS.get(target.overloadpacket)
+    formula = _FLOP_FORMULAS.get(op.target.overloadpacket)
     if formula is None:
         return 0
-    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
-    return concrete_int(formula(*args, **kwargs, out_val=node.meta.get("val"))) or 0
+    args, kwargs = torch.fx.node.map_arg((op.args, op.kwargs), lambda n: n.meta.get("val"))
+    return concrete_int(formula(*args, **kwargs, out_val=op.value)) or 0
 
 
 _FLOP_FORMULAS = _flop_formulas()

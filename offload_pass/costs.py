@@ -97,8 +97,18 @@ def node_seconds(
     traffic = sum(tensor_bytes(arg.meta.get("val")) for arg in read)
     if materializes(node):
         traffic += sum(tensor_bytes(v) for v in tensor_values(value))
-    dtype = next((v.dtype for v in tensor_values(value)), torch.float32)
-    return max(flops / profile.matrix_rate(dtype), traffic / profile.memory_bandwidth)
+    return max(
+        flops / profile.matrix_rate(_computed_dtype(node)), traffic / profile.memory_bandwidth
+    )
+
+
+def _computed_dtype(node: torch.fx.Node) -> torch.dtype:
+    """The dtype ``node`` computes in: its op's value's, else (the partitioner leaves the
+    random-state wrappers it writes without one) its first tensor argument's."""
+    op = _compat.computed_op(node)
+    inputs = (a.meta.get("val") for a in op.args if isinstance(a, torch.fx.Node))
+    values = itertools.chain(tensor_values(op.value), *(tensor_values(v) for v in inputs))
+    return next((v.dtype for v in values), torch.float32)
 
 
 def kernel_launches(

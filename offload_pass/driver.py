@@ -26,6 +26,7 @@ import torch
 
 from offload_pass import _compat
 from offload_pass.analysis import SavedGroup, find_saved_groups
+from offload_pass.blocks import Split
 from offload_pass.bucket import bucket_transfers
 from offload_pass.calibration import profile_for
 from offload_pass.costs import ChunkCosts, estimate_costs, node_seconds
@@ -100,15 +101,14 @@ class _StageClock:
 
 @dataclasses.dataclass(frozen=True)
 class PlannedChunk:
-    """One partition of a chunk, planned and not yet rewritten. ``recompute_budget``: the
-    partitioner's ``activation_memory_budget`` it was made under (None: torch's setting);
-    ``stage_seconds``: what each stage took so far."""
+    """One partition of a chunk, planned and not yet rewritten. ``split``: how the
+    partitioner made it; ``stage_seconds``: what each stage took so far."""
 
     chunk: ChunkGraphs
     costs: ChunkCosts
     planned: ChunkPlan
     stage_seconds: Mapping[str, float]
-    recompute_budget: float | None = None
+    split: Split = Split()
 
 
 def plan_chunk(
@@ -155,7 +155,8 @@ def rewrite_chunk(planned: PlannedChunk, name: str) -> Plan:
         chunk.forward,
         chunk.backward,
         {**planned.stage_seconds, **clock.seconds},
-        planned.recompute_budget,
+        planned.split.recompute_budget,
+        planned.split.checkpointed,
     )
 
 

@@ -28,6 +28,16 @@ since every lower level recomputes more. On the CPU with the H200 profile, ``aut
 on W1 predicts 9.38 GiB on the stock split and 6.94 GiB on split 0.8, both within 0.2%
 of the stock step.
 
+The partitioner's knapsack weighs each value's bytes, not the peak: recomputing from the
+whole model's inputs, its lowest level saves little at the peak. Checkpointing whole
+blocks (:mod:`offload_pass.blocks`) does, as the stock compile of a checkpointed model
+does: so, where the levels leave the budget unmet within the tolerance, the search splits
+the stock level with the last blocks checkpointed, and plans what is left to move (the
+checkpointed blocks' inputs among it) as on any split. ``auto`` keeps the most blocks
+checkpointed within the tolerance where that lowers the peak further than the levels.
+Checkpointing the last blocks first leaves the first blocks' values, which have the
+longest copy windows, to be moved.
+
 The kept plan's ``stage_seconds`` carry the seconds spent splitting and planning the splits
 not kept (``"search"``).
 """
@@ -41,6 +51,7 @@ from collections.abc import Callable, Sequence
 import torch.fx
 
 from offload_pass import _compat
+from offload_pass.blocks import Split, find_blocks
 from offload_pass.driver import PlannedChunk, plan_chunk
 from offload_pass.graphs import ChunkGraphs
 from offload_pass.options import SEARCH, FractionRule, OffloadOptions
@@ -48,72 +59,107 @@ from offload_pass.options import SEARCH, FractionRule, OffloadOptions
 RECOMPUTE_LEVELS = (0.8, 0.6, 0.4, 0.2)
 """The partitioner budgets a search may try, those below torch's setting."""
 
-Partition = Callable[[float | None], ChunkGraphs]
-"""The chunk's forward and backward graphs, split under a recompute budget (None: torch's
-setting)."""
+Partition = Callable[[Split], ChunkGraphs]
+"""The chunk's forward and backward graphs, split as asked."""
 
 
-def search_levels(options: OffloadOptions, joint: torch.fx.GraphModule) -> tuple[float, ...]:
-    """The recompute budgets the search may try on ``joint``: the levels below the
-    partitioner's own setting, under a memory budget or where ``recompute_budget`` is
-    ``"search"``. None where the options fix the split, where the graph's nodes carry
-    their own budget (the partitioner takes it over any setting, so every split would be
-    the same), or where the partitioner agrees its choices across ranks (each split a
-    collective, which ranks planning differently would call a different number of
-    times)."""
+@dataclasses.dataclass(frozen=True)
+class SearchSpace:
+    """The splits a search may try: the partitioner's knapsack at ``levels``, and the
+    last of ``blocks`` checkpointed (:mod:`offload_pass.blocks`), any number of them."""
+
+    levels: tuple[float, ...] = ()
+    blocks: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.levels or self.blocks)
+
+
+def search_space(
+    options: OffloadOptions, joint: torch.fx.GraphModule, num_forward_outputs: int
+) -> SearchSpace:
+    """The splits the search may try on ``joint`` (its first ``num_forward_outputs``
+    outputs forward's): under a memory budget or where
+    ``recompute_budget`` is ``"search"``, the levels below the partitioner's own setting
+    and the repeated blocks. None where the options fix the split or where the
+    partitioner agrees its choices across ranks (each split a collective, which ranks
+    planning differently would call a different number of times); no level where the
+    graph's nodes carry their own budget (the partitioner takes it over any setting, so
+    every level's split would be the same), and no block where they carry their own
+    checkpointing policy (the user's checkpointing is kept as it is)."""
     chosen = options.recompute_budget
     searching = chosen == SEARCH or (chosen is None and options.memory_budget is not None)
-    if not searching:
-        return ()
-    if _compat.budget_annotated(joint) or _compat.partitions_sync_across_ranks():
-        return ()
-    return tuple(level for level in RECOMPUTE_LEVELS if level < _compat.activation_memory_budget())
+    if not searching or _compat.partitions_sync_across_ranks():
+        return SearchSpace()
+    torch_level = _compat.activation_memory_budget()
+    levels = () if _compat.budget_annotated(joint) else RECOMPUTE_LEVELS
+    checkpointed = any("recompute" in n.meta for n in joint.graph.nodes)
+    return SearchSpace(
+        tuple(level for level in levels if level < torch_level),
+        () if checkpointed else find_blocks(joint, num_forward_outputs),
+    )
 
 
 def plan_jointly(
     partition: Partition,
     options: OffloadOptions,
     rule: FractionRule,
-    levels: Sequence[float],
+    space: SearchSpace = SearchSpace(),
     host_scale: float = 1.0,
 ) -> PlannedChunk:
     """The planned split of the chunk: under ``options.recompute_budget`` (None: torch's
-    setting), or the best the search over ``levels`` finds (module docstring).
+    setting), or the best the search over ``space`` finds (module docstring).
     ``host_scale``: as :func:`driver.plan_chunk` takes it."""
-    seconds: dict[float | None, float] = {}
+    seconds: dict[Split, float] = {}
 
-    def plan_at(level: float | None, planned_for: OffloadOptions = options) -> PlannedChunk:
+    def plan_at(split: Split, planned_for: OffloadOptions = options) -> PlannedChunk:
         start = time.perf_counter()
-        planned = plan_chunk(partition(level), planned_for, rule, host_scale)
-        seconds[level] = time.perf_counter() - start
-        return dataclasses.replace(planned, recompute_budget=level)
+        planned = plan_chunk(partition(split), planned_for, rule, host_scale)
+        seconds[split] = time.perf_counter() - start
+        return dataclasses.replace(planned, split=split)
 
-    stock = plan_at(options.fixed_recompute_budget)
-    if not levels:
+    stock = plan_at(Split(options.fixed_recompute_budget))
+    if not space:
         return stock
-    search = _meet_budget if options.memory_budget is not None else _lowest_peak_in_time
-    best = search(plan_at, options, levels, stock)
-    searched = sum(s for level, s in seconds.items() if level != best.recompute_budget)
+    if options.memory_budget is not None:
+        best = _meet_budget(plan_at, options, space, stock)
+    else:
+        best = _lowest_peak_in_time(plan_at, options, space, stock)
+    searched = sum(s for split, s in seconds.items() if split != best.split)
     return dataclasses.replace(best, stage_seconds={**best.stage_seconds, "search": searched})
 
 
 PlanAt = Callable[..., PlannedChunk]
-"""The chunk split under a recompute budget and planned, with the options given or the
-search's own."""
+"""The chunk split as asked and planned, with the options given or the search's own."""
 
 
 def _meet_budget(
-    plan_at: PlanAt, options: OffloadOptions, levels: Sequence[float], stock: PlannedChunk
+    plan_at: PlanAt, options: OffloadOptions, space: SearchSpace, stock: PlannedChunk
 ) -> PlannedChunk:
-    """The plan meeting the budget predicted fastest, else the nearest."""
-    best = stock
-    slowest = stock.planned.prediction.baseline_seconds * (1 + options.stall_tolerance)
+    """The plan meeting the budget predicted fastest, else the nearest: the levels',
+    then, where none meets the budget within the tolerance, the checkpointed blocks'."""
+    slowest = _slowest(stock, options)
     # a share of the stock peak, in bytes, for every split (at least one: bytes must be)
     in_bytes = dataclasses.replace(options, memory_budget=max(1, stock.planned.budget_bytes))
+    best = _level_meeting_budget(plan_at, in_bytes, space.levels, stock, slowest)
+    if not space.blocks or _meets_budget_in_time(best, slowest):
+        return best
+    checkpointing = _checkpointing_meeting_budget(plan_at, in_bytes, space.blocks)
+    return min(best, checkpointing, key=_shortfall_then_step)
+
+
+def _level_meeting_budget(
+    plan_at: PlanAt,
+    in_bytes: OffloadOptions,
+    levels: Sequence[float],
+    stock: PlannedChunk,
+    slowest: float,
+) -> PlannedChunk:
+    best = stock
     for level in levels:
         if _meets_budget_in_time(best, slowest):
             break
-        tried = plan_at(level, in_bytes)
+        tried = plan_at(Split(level), in_bytes)
         if _shortfall_then_step(tried) < _shortfall_then_step(best):
             best = tried
         elif best.planned.budget_shortfall or _unbeatable(best, tried):
@@ -121,21 +167,95 @@ def _meet_budget(
     return best
 
 
+def _checkpointing_meeting_budget(
+    plan_at: PlanAt, in_bytes: OffloadOptions, blocks: tuple[str, ...]
+) -> PlannedChunk:
+    """Of the plans checkpointing the last blocks, the fastest meeting the budget, else
+    the nearest, among those planned in looking for two: the fewest blocks whose plan
+    meets the budget, moving what it must, and the fewest whose split meets it with
+    nothing moved (each block more than that only recomputes more). Each block more
+    lowers the peak, so both are found by halving; where no split meets the budget with
+    nothing moved, the one checkpointing every block, the nearest, is planned too."""
+    planned: dict[int, PlannedChunk] = {}
+
+    def plan(count: int) -> PlannedChunk:
+        if count not in planned:
+            planned[count] = plan_at(_checkpointing(blocks, count, in_bytes), in_bytes)
+        return planned[count]
+
+    def unmoved_meets(count: int) -> bool:
+        chunk = plan(count).planned
+        return chunk.prediction.baseline_peak_bytes <= (chunk.budget_bytes or 0)
+
+    _fewest(len(blocks), lambda count: not plan(count).planned.budget_shortfall)
+    if _fewest(len(blocks), unmoved_meets) is None:
+        plan(len(blocks))
+    return min(planned.values(), key=_shortfall_then_step)
+
+
+def _fewest(most: int, enough: Callable[[int], bool]) -> int | None:
+    """The fewest of 1 to ``most`` that is ``enough``, by halving (each count more is
+    taken to be as much enough); None where ``most`` is not."""
+    short, enough_at = 0, most + 1
+    while enough_at - short > 1:
+        count = (short + enough_at) // 2
+        if enough(count):
+            enough_at = count
+        else:
+            short = count
+    return enough_at if enough_at <= most else None
+
+
 def _lowest_peak_in_time(
-    plan_at: PlanAt, options: OffloadOptions, levels: Sequence[float], stock: PlannedChunk
+    plan_at: PlanAt, options: OffloadOptions, space: SearchSpace, stock: PlannedChunk
 ) -> PlannedChunk:
     """``auto``'s plan predicting the lowest peak within the tolerance of the stock
-    split's step with nothing moved."""
+    split's step with nothing moved: the levels', and the checkpointed blocks'."""
+    slowest = _slowest(stock, options)
     best = stock
-    slowest = stock.planned.prediction.baseline_seconds * (1 + options.stall_tolerance)
-    for level in levels:
-        tried = plan_at(level)
+    for level in space.levels:
+        tried = plan_at(Split(level))
         prediction = tried.planned.prediction
         if prediction.baseline_seconds > slowest:
             break
         if prediction.step_seconds <= slowest and prediction.peak_bytes < _peak(best):
             best = tried
+    if not space.blocks:
+        return best
+    checkpointing = _most_checkpointing_in_time(plan_at, options, space.blocks, slowest)
+    if checkpointing is not None and _peak(checkpointing) < _peak(best):
+        return checkpointing
     return best
+
+
+def _most_checkpointing_in_time(
+    plan_at: PlanAt, options: OffloadOptions, blocks: tuple[str, ...], slowest: float
+) -> PlannedChunk | None:
+    """Of the plans checkpointing the last blocks within ``slowest``, the lowest peak
+    among those the halving tries (each block more recomputes more, so it looks for the
+    most blocks within ``slowest``); None where none is."""
+    fits, over = 0, len(blocks) + 1
+    best = None
+    while over - fits > 1:
+        count = (fits + over) // 2
+        tried = plan_at(_checkpointing(blocks, count, options))
+        if tried.planned.prediction.step_seconds > slowest:
+            over = count
+            continue
+        fits = count
+        if best is None or _peak(tried) < _peak(best):
+            best = tried
+    return best
+
+
+def _checkpointing(blocks: tuple[str, ...], count: int, options: OffloadOptions) -> Split:
+    """The split checkpointing the last ``count`` blocks, at the options' level: the
+    first blocks' saved values have the longest copy windows, so moving suits them best."""
+    return Split(options.fixed_recompute_budget, blocks[len(blocks) - count :])
+
+
+def _slowest(stock: PlannedChunk, options: OffloadOptions) -> float:
+    return stock.planned.prediction.baseline_seconds * (1 + options.stall_tolerance)
 
 
 def _peak(planned: PlannedChunk) -> int:

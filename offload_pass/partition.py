@@ -12,9 +12,10 @@ from typing import Any
 import torch.fx
 
 from offload_pass import _compat, dump
+from offload_pass.blocks import Split, recomputed_regions
 from offload_pass.driver import recompute_pricing, rewrite_chunk
 from offload_pass.graphs import ChunkGraphs
-from offload_pass.joint import Partition, plan_jointly, search_levels
+from offload_pass.joint import Partition, plan_jointly, search_space
 from offload_pass.options import FractionRule, OffloadOptions
 from offload_pass.plan import Plan
 from offload_pass.realized import held_recomputations
@@ -26,36 +27,38 @@ def stock_splits(
     recompute_seconds: Callable[[torch.fx.Node], float] | None = None,
     **kwargs: Any,
 ) -> Partition:
-    """The stock min-cut partitioner's split of ``joint``, under a recompute budget,
+    """The stock min-cut partitioner's split of ``joint``: under a recompute budget,
     choosing what to recompute by ``recompute_seconds`` where given
-    (``_compat.stock_partition``).
+    (``_compat.stock_partition``), with the blocks the split names checkpointed
+    (:mod:`offload_pass.blocks`).
 
     Where the split recomputes values that Inductor would write out and hold through
     backward (:mod:`offload_pass.realized`), the partitioner splits again, told to save
     them."""
 
-    def stock(recompute_budget: float | None) -> ChunkGraphs:
-        forward, backward = map(
-            _compat.lazy_graph_module,
-            _compat.stock_partition(
-                joint, joint_inputs, recompute_budget, recompute_seconds=recompute_seconds, **kwargs
-            ),
-        )
+    def stock(split: Split, held: frozenset[str] = frozenset()) -> ChunkGraphs:
+        recomputed = recomputed_regions(joint, kwargs["num_fwd_outputs"], split.checkpointed)
+        with _compat.partitioner_policies(joint, held, recomputed):
+            graphs = _compat.stock_partition(
+                joint,
+                joint_inputs,
+                split.recompute_budget,
+                recompute_seconds=recompute_seconds,
+                **kwargs,
+            )
+        forward, backward = map(_compat.lazy_graph_module, graphs)
         return ChunkGraphs(forward, backward, kwargs["num_fwd_outputs"])
 
-    levels_split = itertools.count()
+    splits_made = itertools.count()
 
-    def split(recompute_budget: float | None) -> ChunkGraphs:
-        if next(levels_split):
-            gc.collect()  # what the levels before left behind (OffloadPartitioner.__call__)
-        graphs = stock(recompute_budget)
+    def partition_under(split: Split) -> ChunkGraphs:
+        if next(splits_made):
+            gc.collect()  # what the splits before left behind (OffloadPartitioner.__call__)
+        graphs = stock(split)
         held = held_recomputations(graphs, _compat.realize_reads_threshold())
-        if not held:
-            return graphs
-        with _compat.saved_by_partitioner(joint, held):
-            return stock(recompute_budget)
+        return stock(split, held) if held else graphs
 
-    return split
+    return partition_under
 
 
 class OffloadPartitioner(_compat.PartitionerBase):
@@ -83,11 +86,11 @@ class OffloadPartitioner(_compat.PartitionerBase):
         # budget's search splits after the first, when the splits it dropped (cyclic FX
         # graphs) are garbage.
         with _compat.full_collections_deferred():
-            levels = search_levels(self.options, joint)
+            search = search_space(self.options, joint, kwargs["num_fwd_outputs"])
             pricing = recompute_pricing(self.options, joint)
             partition = stock_splits(joint, joint_inputs, pricing, **kwargs)
             plan = rewrite_chunk(
-                plan_jointly(partition, self.options, self.rule, levels, self.host_scale),
+                plan_jointly(partition, self.options, self.rule, search, self.host_scale),
                 self.name,
             )
         dump.record(plan, dump.dump_dir(self.options.dump_dir))

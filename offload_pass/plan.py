@@ -26,8 +26,9 @@ class Plan:
     costs, plan, bucket, rewrite; under a memory budget also ``search``, the splits tried
     and not kept), the compile time the pass adds before the compiler's own.
     ``recompute_budget``: the partitioner's ``activation_memory_budget`` the graphs were
-    split under (None: torch's setting), chosen by the options or by the joint search of
-    a memory budget (:mod:`offload_pass.joint`).
+    split under (None: torch's setting), and ``checkpointed_blocks`` the module paths of
+    the blocks backward computes again whole, chosen by the options or by the joint
+    search (:mod:`offload_pass.joint`).
     """
 
     chunk: str
@@ -37,6 +38,7 @@ class Plan:
     backward: torch.fx.GraphModule
     stage_seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
     recompute_budget: float | None = None
+    checkpointed_blocks: tuple[str, ...] = ()
 
     @property
     def profile(self) -> DeviceProfile:

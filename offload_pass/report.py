@@ -146,6 +146,12 @@ def summary(plan: Plan) -> str:
             "recomputes what the partitioner chose, and the step and peak above are of that "
             "split"
         )
+    if plan.checkpointed_blocks:
+        lines.append(
+            f"{len(plan.checkpointed_blocks)} blocks checkpointed, {_block_span(plan)}: "
+            "backward computes them again from their inputs, and the step and peak above "
+            "are of that split"
+        )
     if (reason := why_nothing_moved(plan)) is not None:
         lines.append(reason)
     if plan.planned.overlap_depth != planner.OVERLAP_DEPTH:
@@ -154,6 +160,11 @@ def summary(plan: Plan) -> str:
             f"compute (default {planner.OVERLAP_DEPTH}), the depth the memory budget's plan took"
         )
     return "\n".join(lines)
+
+
+def _block_span(plan: Plan) -> str:
+    blocks = plan.checkpointed_blocks
+    return blocks[0] if len(blocks) == 1 else f"{blocks[0]} to {blocks[-1]}"
 
 
 def short_op(op: str) -> str:

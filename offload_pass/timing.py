@@ -96,8 +96,9 @@ class _Call:
             signature = _signature(_named_values(node))
         except Exception:  # noqa: BLE001  (advisory: any argument it cannot describe)
             return None
-        key = repr((str(node.target), signature, _precision_settings()))
-        return cls(key, node.target, signature)  # type: ignore[arg-type]
+        target = _compat.computed_op(node).target
+        key = repr((str(target), signature, _precision_settings()))
+        return cls(key, target, signature)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,8 +329,10 @@ class _Untimeable(Exception):
 
 
 def _named_values(node: torch.fx.Node) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The node's arguments as values, random-number state already described as specs."""
-    names = _compat.argument_names(node.target)
+    """The arguments of the op the node computes (``_compat.computed_op``) as values,
+    random-number state already described as specs."""
+    op = _compat.computed_op(node)
+    names = _compat.argument_names(op.target)
 
     def value(arg: Any, name: str | None) -> Any:
         found = torch.fx.node.map_arg(arg, lambda n: n.meta.get("val"))
@@ -337,8 +340,8 @@ def _named_values(node: torch.fx.Node) -> tuple[tuple[Any, ...], dict[str, Any]]
             return _TensorSpec.of(found)
         return found
 
-    args = tuple(value(a, names[i] if i < len(names) else None) for i, a in enumerate(node.args))
-    return args, {k: value(v, k) for k, v in node.kwargs.items()}
+    args = tuple(value(a, names[i] if i < len(names) else None) for i, a in enumerate(op.args))
+    return args, {k: value(v, k) for k, v in op.kwargs.items()}
 
 
 def _signature(value: Any) -> Hashable:

@@ -645,3 +645,41 @@ def test_the_pass_runs_with_full_collections_deferred(monkeypatch):
     torch.compiler.reset()
     assert seen and all(t >= _compat.GEN2_THRESHOLD_WHILE_COMPILING for t in seen)
     assert gc.get_threshold() == threshold
+
+
+def _wrapped_products() -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node]:
+    """A traced product, and the same product under each random-state wrapper as the
+    partitioner writes it for an op it computes again in backward (without a value of
+    its own)."""
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    graph = make_fx(torch.mm, tracing_mode="fake")(torch.randn(4, 8), torch.randn(8, 2)).graph
+    product = next(n for n in graph.nodes if n.target is torch.ops.aten.mm.default)
+    with graph.inserting_after(product):
+        saved = graph.call_function(run_and_save_rng_state, (product.target, *product.args))
+        state = graph.call_function(operator.getitem, (saved, 0))
+        again = graph.call_function(run_with_rng_state, (state, product.target, *product.args))
+    return product, saved, again
+
+
+def test_an_op_under_a_random_state_wrapper_is_the_op_computed():
+    product, saved, again = _wrapped_products()
+    for wrapped in (saved, again):
+        op = _compat.computed_op(wrapped)
+        assert op.target is torch.ops.aten.mm.default
+        assert op.args == tuple(product.args)
+        assert _compat.flop_count(wrapped) == _compat.flop_count(product) == 2 * 4 * 8 * 2
+    assert _compat.computed_op(product).value is product.meta["val"]
+
+
+def test_the_partitioner_policies_mark_regions_and_are_lifted():
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    joint = torch.fx.symbolic_trace(models.MLP())
+    first, second, *_ = (n for n in joint.graph.nodes if n.op == "call_module")
+    with _compat.partitioner_policies(joint, frozenset({second.name}), {first.name: 3}):
+        assert first.meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE
+        assert first.meta["ac_graph_id"] == 3
+        assert second.meta["recompute"] == CheckpointPolicy.MUST_SAVE
+    assert not any("recompute" in n.meta or "ac_graph_id" in n.meta for n in joint.graph.nodes)

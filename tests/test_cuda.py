@@ -268,6 +268,35 @@ def test_gradients_exact_with_a_stalled_copy_stream(stalled):
     assert torch.equal(xg.grad, expected_x_grad)
 
 
+def test_checkpointed_blocks_with_their_inputs_moved_train_as_the_model(monkeypatch):
+    """Blocks computed again in backward (their attention under the random-state wrapper
+    the partitioner writes for it on CUDA), what they save moved, the copy to the host
+    stalled: the gradients are the stock compile's, to rounding (the recomputed kernels
+    are fused apart from the forward's)."""
+    from offload_pass import joint, partition
+
+    def blocks_alone(options, graph, outputs):
+        return joint.SearchSpace((), joint.search_space(options, graph, outputs).blocks)
+
+    monkeypatch.setattr(partition, "search_space", blocks_alone)
+    model = _blocks(depth=4)
+    backend = offload_pass.backend(memory_budget=0.3, min_bytes=0, profile="h200")
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(2, 128, 256, device="cuda")
+    _step(compiled, x)  # compiles
+    torch.cuda.synchronize()
+    _stall(runtime.copy_streams(x.device).device_to_host)
+    grads, x_grad = _step(compiled, x)
+    (plan,) = backend.plans
+    assert plan.checkpointed_blocks and plan.moved
+    names = {str(n.target) for n in plan.forward.graph.nodes}
+    assert any("rng_state" in name for name in names), names
+    expected_grads, expected_x_grad = _step(torch.compile(copy.deepcopy(model)), x)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], msg=name)
+    torch.testing.assert_close(x_grad, expected_x_grad)
+
+
 def test_auto_plans_again_where_the_host_measured_on_its_first_steps_is_too_slow():
     """A profile whose host is 400 times as fast as any has ``auto`` move activations of
     a small stack whose real step is the host's; the host's time measured on the first

@@ -12,9 +12,10 @@ import torch
 
 from offload_pass import _compat
 from offload_pass import joint as joint_search
+from offload_pass.blocks import Split
 from offload_pass.costs import node_seconds
 from offload_pass.driver import PlannedChunk
-from offload_pass.joint import RECOMPUTE_LEVELS, search_levels
+from offload_pass.joint import RECOMPUTE_LEVELS, SearchSpace, search_space
 from offload_pass.options import OffloadOptions
 from offload_pass.partition import stock_splits
 from offload_pass.profiles import BUILT_IN
@@ -111,20 +112,24 @@ def test_jointly_planned_steps_equal_the_stock_compile_of_that_split(compiler):
     assert plan.bytes_saved_for_backward < _plan(compiler, fraction=0.0).bytes_saved_for_backward
 
 
+def _levels(options: OffloadOptions, joint: torch.fx.GraphModule) -> tuple[float, ...]:
+    return search_space(options, joint, 1).levels
+
+
 def test_the_search_tries_the_levels_below_the_partitioners_own_setting():
     joint = torch.fx.symbolic_trace(models.MLP())
-    assert search_levels(OffloadOptions(memory_budget=BUDGET), joint) == RECOMPUTE_LEVELS
+    assert _levels(OffloadOptions(memory_budget=BUDGET), joint) == RECOMPUTE_LEVELS
     with torch._functorch.config.patch(activation_memory_budget=0.5):
-        assert search_levels(OffloadOptions(memory_budget=BUDGET), joint) == (0.4, 0.2)
-    assert search_levels(OffloadOptions(), joint) == ()
-    assert search_levels(OffloadOptions(memory_budget=BUDGET, recompute_budget=0.5), joint) == ()
+        assert _levels(OffloadOptions(memory_budget=BUDGET), joint) == (0.4, 0.2)
+    assert not search_space(OffloadOptions(), joint, 1)
+    assert not search_space(OffloadOptions(memory_budget=BUDGET, recompute_budget=0.5), joint, 1)
 
 
-def test_no_search_where_the_graph_carries_its_own_recompute_budget():
+def test_no_level_is_searched_where_the_graph_carries_its_own_recompute_budget():
     """The partitioner takes a node's budget over any setting: every split would be one."""
     joint = torch.fx.symbolic_trace(models.MLP())
     next(iter(joint.graph.nodes)).meta["memory_budget"] = 0.5
-    assert search_levels(OffloadOptions(memory_budget=BUDGET), joint) == ()
+    assert _levels(OffloadOptions(memory_budget=BUDGET), joint) == ()
 
 
 def _stub_split(
@@ -136,7 +141,7 @@ def _stub_split(
         step_seconds=step_ms / 1e3, baseline_seconds=unmoved_ms / 1e3, peak_bytes=peak
     )
     planned = SimpleNamespace(prediction=prediction, budget_shortfall=shortfall, budget_bytes=1)
-    return PlannedChunk(None, None, planned, {}, level)
+    return PlannedChunk(None, None, planned, {}, Split(level))
 
 
 def _search(monkeypatch, splits: dict[float | None, PlannedChunk], **options):
@@ -144,14 +149,14 @@ def _search(monkeypatch, splits: dict[float | None, PlannedChunk], **options):
     ``options`` (default: a memory budget); the split kept and the levels planned."""
     tried: list[float | None] = []
 
-    def planned(level, options, rule, host_scale):
-        tried.append(level)
-        return splits[level]
+    def planned(split, options, rule, host_scale):
+        tried.append(split.recompute_budget)
+        return splits[split.recompute_budget]
 
     monkeypatch.setattr(joint_search, "plan_chunk", planned)
     chosen = OffloadOptions(**(options or {"memory_budget": 0.5}))
     kept = joint_search.plan_jointly(
-        lambda level: level, chosen, chosen.fraction_rule(), RECOMPUTE_LEVELS
+        lambda split: split, chosen, chosen.fraction_rule(), SearchSpace(RECOMPUTE_LEVELS)
     )
     return kept, tried
 
@@ -167,7 +172,7 @@ def test_the_search_goes_past_a_level_that_does_not_improve_while_a_lower_one_co
     }
     kept, tried = _search(monkeypatch, splits)
     # after 0.2, nothing lower is left; 0.2's step with nothing moved (594) is over 572
-    assert tried == [None, 0.8, 0.6, 0.4, 0.2] and kept.recompute_budget == 0.4
+    assert tried == [None, 0.8, 0.6, 0.4, 0.2] and kept.split.recompute_budget == 0.4
 
 
 def test_the_search_stops_once_no_lower_level_can_beat_the_best(monkeypatch):
@@ -177,7 +182,7 @@ def test_the_search_stops_once_no_lower_level_can_beat_the_best(monkeypatch):
         0.6: _stub_split(590, 565, 0.6),  # with nothing moved already slower than 560
     }
     kept, tried = _search(monkeypatch, splits)
-    assert tried == [None, 0.8, 0.6] and kept.recompute_budget == 0.8
+    assert tried == [None, 0.8, 0.6] and kept.split.recompute_budget == 0.8
 
 
 def test_a_split_that_misses_the_budget_does_not_end_the_search(monkeypatch):
@@ -188,7 +193,7 @@ def test_a_split_that_misses_the_budget_does_not_end_the_search(monkeypatch):
         0.4: _stub_split(640, 640, 0.4),
     }
     kept, tried = _search(monkeypatch, splits)
-    assert tried == [None, 0.8, 0.6, 0.4] and kept.recompute_budget == 0.6
+    assert tried == [None, 0.8, 0.6, 0.4] and kept.split.recompute_budget == 0.6
 
 
 def test_a_level_no_nearer_a_budget_nothing_met_ends_the_search(monkeypatch):
@@ -197,7 +202,7 @@ def test_a_level_no_nearer_a_budget_nothing_met_ends_the_search(monkeypatch):
         0.8: _stub_split(520, 510, 0.8, shortfall=120),
     }
     kept, tried = _search(monkeypatch, splits)
-    assert tried == [None, 0.8] and kept.recompute_budget is None
+    assert tried == [None, 0.8] and kept.split.recompute_budget is None
 
 
 AUTO_SEARCH = {"recompute_budget": "search", "stall_tolerance": 0.02}
@@ -212,7 +217,7 @@ def test_auto_keeps_the_split_with_the_lowest_peak_within_the_tolerance(monkeypa
         0.4: _stub_split(103, 103, 0.4, peak=5),  # recomputing past the tolerance
     }
     kept, tried = _search(monkeypatch, splits, **AUTO_SEARCH)
-    assert tried == [None, 0.8, 0.6, 0.4] and kept.recompute_budget == 0.6
+    assert tried == [None, 0.8, 0.6, 0.4] and kept.split.recompute_budget == 0.6
     assert kept.stage_seconds["search"] >= 0
 
 
@@ -225,7 +230,7 @@ def test_auto_does_not_keep_a_split_planned_past_the_stock_step(monkeypatch):
         0.6: _stub_split(102.5, 102.5, 0.6, peak=4),
     }
     kept, tried = _search(monkeypatch, splits, **AUTO_SEARCH)
-    assert tried == [None, 0.8, 0.6] and kept.recompute_budget is None
+    assert tried == [None, 0.8, 0.6] and kept.split.recompute_budget is None
 
 
 def test_auto_keeps_the_stock_split_where_recomputing_lowers_no_peak(monkeypatch):
@@ -237,15 +242,15 @@ def test_auto_keeps_the_stock_split_where_recomputing_lowers_no_peak(monkeypatch
         0.2: _stub_split(101, 101, 0.2, peak=10),
     }
     kept, _ = _search(monkeypatch, splits, **AUTO_SEARCH)
-    assert kept.recompute_budget is None
+    assert kept.split.recompute_budget is None
 
 
 def test_auto_searches_the_splits_only_where_asked():
     joint = torch.fx.symbolic_trace(models.MLP())
-    assert search_levels(OffloadOptions(recompute_budget="search"), joint) == RECOMPUTE_LEVELS
-    assert search_levels(OffloadOptions(), joint) == ()
+    assert _levels(OffloadOptions(recompute_budget="search"), joint) == RECOMPUTE_LEVELS
+    assert not search_space(OffloadOptions(), joint, 1)
     budget = OffloadOptions(memory_budget=BUDGET, recompute_budget="search")
-    assert search_levels(budget, joint) == RECOMPUTE_LEVELS
+    assert _levels(budget, joint) == RECOMPUTE_LEVELS
 
 
 def test_auto_choosing_its_split_trains_as_the_stock_compile_of_that_split():
@@ -274,7 +279,7 @@ def _saved_under(pricing, budget: float = 0.5) -> list[str]:
     saved: list[str] = []
 
     def partition(joint, joint_inputs, **kwargs):
-        split = stock_splits(joint, joint_inputs, pricing, **kwargs)(budget)
+        split = stock_splits(joint, joint_inputs, pricing, **kwargs)(Split(budget))
         inputs = split.backward.graph.find_nodes(op="placeholder")
         saved.extend(n.name for n in inputs if not n.name.startswith(("primals", "tangents")))
         return split.forward, split.backward

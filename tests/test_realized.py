@@ -10,6 +10,7 @@ import torch
 import torch.fx
 
 from offload_pass import _compat
+from offload_pass.blocks import Split
 from offload_pass.graphs import ChunkGraphs
 from offload_pass.partition import stock_splits
 from offload_pass.realized import held_recomputations
@@ -79,7 +80,7 @@ def _stock_and_ours(
     def partition(joint, joint_inputs, **kwargs):
         stock = _compat.stock_partition(joint, joint_inputs, budget, **kwargs)
         found["stock"] = ChunkGraphs(*stock, kwargs["num_fwd_outputs"])
-        found["ours"] = stock_splits(joint, joint_inputs, **kwargs)(budget)
+        found["ours"] = stock_splits(joint, joint_inputs, **kwargs)(Split(budget))
         if marks_left is not None:
             marks_left.extend(n.name for n in joint.graph.nodes if "recompute" in n.meta)
         return found["ours"].forward, found["ours"].backward
@@ -114,7 +115,7 @@ def test_the_marks_are_lifted_after_the_split():
     names = frozenset(n.name for n in joint.graph.nodes if n.op == "call_function")
     first = next(n for n in joint.graph.nodes if n.op == "call_function")
     first.meta["recompute"] = "the user's own"
-    with _compat.saved_by_partitioner(joint, names):
+    with _compat.partitioner_policies(joint, names):
         marked = [n.name for n in joint.graph.nodes if "recompute" in n.meta]
         assert sorted(marked) == sorted(names)
     assert [n for n in joint.graph.nodes if "recompute" in n.meta] == [first]
@@ -166,11 +167,10 @@ def test_each_level_split_after_the_first_collects_what_the_levels_before_left(m
         return graphs.forward, graphs.backward
 
     monkeypatch.setattr(_compat, "stock_partition", stock_partition)
-    monkeypatch.setattr(
-        _compat, "saved_by_partitioner", lambda joint, held: contextlib.nullcontext()
-    )
+    monkeypatch.setattr(_compat, "partitioner_policies", lambda *args: contextlib.nullcontext())
     monkeypatch.setattr(partition, "held_recomputations", lambda *args: frozenset({"r4"}))
+    monkeypatch.setattr(partition, "recomputed_regions", lambda *args: {})
     split = stock_splits(None, [], num_fwd_outputs=graphs.num_forward_outputs)
-    split(None)
-    split(0.6)
+    split(Split(None))
+    split(Split(0.6))
     assert events == ["split None", "split None", "collect", "split 0.6", "split 0.6"]
