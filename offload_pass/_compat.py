@@ -133,12 +133,6 @@ def partitioner_policies(
             node.meta.pop("ac_graph_id", None)
 
 
-def is_tangent(node: torch.fx.Node) -> bool:
-    """Whether ``node`` is an input of a joint graph's backward (a tangent): AOTAutograd
-    names them so, and its partitioner tells them by that name."""
-    return node.op == "placeholder" and "tangents" in str(node.target)
-
-
 GEN2_THRESHOLD_WHILE_COMPILING = 1000
 """The oldest generation's collection threshold while the pass runs, on a torch whose
 Dynamo does not set one: the default of torch 2.15's

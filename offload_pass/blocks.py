@@ -35,11 +35,11 @@ class Split:
 
 
 def find_blocks(joint: torch.fx.GraphModule, num_forward_outputs: int) -> tuple[str, ...]:
-    """The module paths of the repeated blocks of ``joint``'s forward (its first
-    ``num_forward_outputs`` outputs), in the order
-    forward runs them: the children of one module that share a class and hold modules
-    of their own, at least two, of the module whose such children hold the most forward
-    nodes. Empty where nothing repeats."""
+    """The module paths of the repeated blocks of ``joint``'s forward (what its first
+    ``num_forward_outputs`` outputs need), in the order forward runs them: the children
+    of one module that share a class and hold modules of their own, at least two, of the
+    module whose such children hold the most forward nodes. Empty where nothing
+    repeats."""
     nodes_by_family: collections.Counter[tuple[str, str]] = collections.Counter()
     children: dict[tuple[str, str], dict[str, None]] = collections.defaultdict(dict)
     containers: set[str] = set()

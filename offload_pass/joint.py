@@ -79,9 +79,9 @@ def search_space(
     options: OffloadOptions, joint: torch.fx.GraphModule, num_forward_outputs: int
 ) -> SearchSpace:
     """The splits the search may try on ``joint`` (its first ``num_forward_outputs``
-    outputs forward's): under a memory budget or where
-    ``recompute_budget`` is ``"search"``, the levels below the partitioner's own setting
-    and the repeated blocks. None where the options fix the split or where the
+    outputs forward's): under a memory budget or where ``recompute_budget`` is
+    ``"search"``, the levels below the partitioner's own setting and the repeated
+    blocks. None where the options fix the split or where the
     partitioner agrees its choices across ranks (each split a collective, which ranks
     planning differently would call a different number of times); no level where the
     graph's nodes carry their own budget (the partitioner takes it over any setting, so
