@@ -198,12 +198,58 @@ def _memory_events(
     for storage, at in last_use.items():
         if storage in start and storage not in tangents:
             dying.setdefault(at, []).append(storage)
+    in_place: dict[torch.fx.Node, torch.fx.Node] = {}  # each writer, and its donor
     for root, at in start.items():
-        if any(_writes_in_place(root, d, fused, kernels) for d in dying.get(at, ())):
+        donors = [d for d in dying.get(at, ()) if _writes_in_place(root, d, fused, kernels)]
+        if donors:
             nbytes = tensor_bytes(root.meta.get("val"))
             allocated[at] -= nbytes
             freed[at] -= nbytes
+            in_place[root] = donors[0]
+    held = _reuse_holds(start, last_use, len(forward), in_place)
+    for root, (freed_at, reused_at) in held.items():
+        nbytes = tensor_bytes(root.meta.get("val"))
+        freed[freed_at] -= nbytes
+        allocated[reused_at] -= nbytes
     return tuple(allocated), tuple(freed)
+
+
+def _reuse_holds(
+    start: dict[torch.fx.Node, int],
+    last_use: dict[torch.fx.Node, int],
+    num_forward: int,
+    in_place: dict[torch.fx.Node, torch.fx.Node],
+) -> dict[torch.fx.Node, tuple[int, int]]:
+    """Storages Inductor keeps after their last read for a later buffer of the same
+    dtype and size to take over, each with the position after which it would otherwise
+    be freed and the position of the allocation that takes it (its wrapper's buffer
+    reuse: a freed buffer goes to a pool, and the next allocation of its dtype and size
+    in the same program takes the one freed last). Only tensors a program allocates and
+    frees itself are pooled (forward and backward are programs of their own), not those
+    a kernel wrote into in place (``in_place``: each writer and its donor), which pass
+    their memory on already."""
+    donors = set(in_place.values())
+    events = []
+    for root, at in start.items():
+        value = root.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            continue
+        key = (at < num_forward, value.dtype, tensor_bytes(value))
+        if root not in in_place:
+            events.append((at, False, root, key))
+        dies = last_use.get(root, at)
+        if root not in donors and (at < num_forward) == (dies < num_forward):
+            events.append((dies, True, root, key))
+    pools: dict[tuple[bool, torch.dtype, int], list[tuple[torch.fx.Node, int]]] = {}
+    held = {}
+    for at, freeing, root, key in sorted(events, key=lambda e: (e[0], e[1])):
+        pool = pools.setdefault(key, [])
+        if freeing:
+            pool.append((root, at))
+        elif pool:
+            donor, freed_at = pool.pop()
+            held[donor] = (freed_at, at)
+    return held
 
 
 def _writes_in_place(

@@ -128,6 +128,30 @@ def test_a_fused_kernel_writes_into_a_same_sized_input_it_reads_for_the_last_tim
     assert peak_bytes(costs, ()) == costs.resident_bytes + 192 + 4 + 4
 
 
+def _forward_reusing(x, w):
+    y = torch.mm(x, w)
+    narrow = torch.mm(y, torch.ones(8, 4))  # y's last read
+    wide = torch.mm(x, torch.ones(4, 16))  # another size: y stays pooled
+    z = torch.mm(x, w)  # y's size and dtype: Inductor writes it into y's buffer
+    return narrow.sum() + wide.sum() + z.sum(), z
+
+
+def test_a_freed_buffer_is_held_until_a_later_one_of_its_size_takes_it():
+    """Inductor's buffer reuse: a buffer freed goes to a pool, and the next allocation
+    of its dtype and size takes it, so it stays allocated in between."""
+    chunk = _chunk(_forward_reusing)
+    costs = estimate_costs(chunk, PROFILE)
+    nodes = list(chunk.forward.graph.nodes)
+    y, narrow, wide, z = chunk.forward.graph.find_nodes(
+        op="call_function", target=torch.ops.aten.mm.default
+    )
+    assert costs.allocated[nodes.index(z)] == 0  # y's buffer, taken over
+    assert costs.freed[nodes.index(narrow)] == 8 * 4 * 4  # the ones it read; y is pooled
+    assert costs.allocated[nodes.index(wide)] == 6 * 16 * 4
+    held = sum(costs.allocated[: nodes.index(wide) + 1]) - sum(costs.freed[: nodes.index(wide)])
+    assert held >= 6 * 8 * 4 + 6 * 16 * 4  # y's buffer beside wide's
+
+
 def test_no_kernel_writes_into_an_input_of_another_dtype():
     chunk = _chunk(_forward_widening)
     costs = estimate_costs(chunk, PROFILE)
