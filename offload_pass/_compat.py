@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import operator
 import re
 import threading
 import types
@@ -745,6 +746,17 @@ def computed_op(node: torch.fx.Node) -> ComputedOp:
     if name == "run_and_save_rng_state" and isinstance(value, tuple):
         value = value[1]
     return ComputedOp(node.args[at], tuple(node.args[at + 1 :]), kwargs, value)
+
+
+def is_saved_random_state(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is the generator state ``run_and_save_rng_state`` saves in forward
+    for backward to draw the same numbers again from."""
+    if node.target is not operator.getitem or node.args[1] != 0:
+        return False
+    wrapper = node.args[0]
+    return isinstance(wrapper, torch.fx.Node) and (
+        getattr(wrapper.target, "__name__", None) == "run_and_save_rng_state"
+    )
 
 
 def flop_count(node: torch.fx.Node) -> int:

@@ -34,6 +34,7 @@ EMPTY = "empty"
 SCALAR = "scalar"
 UNSUPPORTED_DEVICE = "unsupported device"
 NOT_IN_BACKWARD = "not a backward input"
+RANDOM_STATE = "random-number state"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +82,10 @@ def _fixed_reason(
         return NOT_IN_BACKWARD
     if root.op == "placeholder" or not isinstance(value, torch.Tensor):
         return INPUT_ALIAS
+    if _compat.is_saved_random_state(root):
+        # Inductor hands the saved state over as a real tensor, not a fake one, so no op
+        # of the pass may take it; a few KiB, it frees nothing worth a copy.
+        return RANDOM_STATE
     if any(alias in user_outputs for alias in aliases(root)):
         return USER_OUTPUT
     if value.device.type not in ("cuda", "cpu"):

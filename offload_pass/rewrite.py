@@ -55,9 +55,12 @@ def _is_token(node: torch.fx.Node) -> bool:
     memory whether or not the op reads it. A value copied into a graph input does not
     qualify: it is an input's update (a batch norm's running mean), which Inductor writes
     in place into the input, and a read of it made Inductor write it out a second time
-    (a ResNet's batch norm kernels on CUDA stored each running mean twice)."""
+    (a ResNet's batch norm kernels on CUDA stored each running mean twice). Nor does a
+    generator state saved for backward (``_compat.is_saved_random_state``): Inductor
+    hands it on as a real tensor, which no op of the pass may take."""
     return (
         node.target not in ops.TICKETS
+        and not _compat.is_saved_random_state(node)
         and isinstance(node.meta.get("val"), torch.Tensor)
         and materializes(node)
         and not any(u.target is torch.ops.aten.copy_.default for u in node.users)
@@ -74,10 +77,16 @@ def _token_before(node: torch.fx.Node) -> list[torch.fx.Node]:
 
 
 def _as_tensor(node: torch.fx.Node) -> torch.fx.Node | None:
-    """``node`` as a token, or for an op returning several tensors one taken from it."""
-    if _is_token(node):
-        return node
-    return next((u for u in node.users if _is_token(u)), None)
+    """``node`` as a token, or for an op returning several tensors one taken from it,
+    through nested results (a random-state wrapper returns the state and its op's
+    results)."""
+    pending = [node]
+    while pending:
+        found = pending.pop(0)
+        if _is_token(found):
+            return found
+        pending.extend(u for u in found.users if u.target is operator.getitem)
+    return None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+import offload_pass
 from offload_pass import _compat, joint
 from offload_pass.blocks import Split, find_blocks, recomputed_regions
 from offload_pass.driver import PlannedChunk
@@ -166,6 +167,51 @@ def test_checkpointed_blocks_that_draw_random_numbers_draw_the_same_again(monkey
     want = [train_step(reference, x, seed=step) for step in range(2)]
     for step, expected in zip(got, want, strict=True):
         assert_same_step(step, expected)
+
+
+def _every_block_checkpointed(monkeypatch) -> None:
+    """The budget's search planned at every block checkpointed, whatever it meets."""
+    _force_checkpointing(monkeypatch)
+
+    def every_block(plan_at, options, space, stock):
+        return plan_at(Split(None, space.blocks))
+
+    monkeypatch.setattr(joint, "_meet_budget", every_block)
+
+
+def _zoo_llama_steps(backend) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """Two steps of the model zoo's HF Llama at its CPU size."""
+    from benchmarks import zoo as model_zoo
+
+    torch.manual_seed(0)
+    task, batch = model_zoo.MODELS["llama"].build(torch.device("cpu"))
+    compiled = torch.compile(task, backend=backend)
+    steps = []
+    for step in range(2):
+        torch.manual_seed(step)
+        loss = compiled(batch)
+        loss.backward()
+        steps.append((loss.detach(), [p.grad.clone() for p in task.parameters()]))
+        task.zero_grad(set_to_none=True)
+    return steps
+
+
+def test_a_checkpointed_hf_decoder_with_moves_trains_as_the_stock_compile(monkeypatch):
+    """HF Llama under Inductor: its SDPA calls draw random numbers as torch tags them, so
+    the checkpointed split runs them under the random-state wrappers, whose saved state
+    Inductor hands on as a real tensor: no transfer op may take it, as a value or as an
+    ordering token."""
+    pytest.importorskip("transformers")
+    _every_block_checkpointed(monkeypatch)
+    backend = offload_pass.backend(memory_budget=0.3, min_bytes=0)
+    got = _zoo_llama_steps(backend)
+    (plan,) = backend.plans
+    assert len(plan.checkpointed_blocks) == 2 and plan.moved
+    want = _zoo_llama_steps("inductor")
+    for (loss, grads), (want_loss, want_grads) in zip(got, want, strict=True):
+        torch.testing.assert_close(loss, want_loss)
+        for grad, expected in zip(grads, want_grads, strict=True):
+            torch.testing.assert_close(grad, expected)
 
 
 def _stub(step_ms: float, unmoved_peak: int, shortfall: int, count: int) -> PlannedChunk:
