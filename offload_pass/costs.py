@@ -200,12 +200,13 @@ def _memory_events(
             dying.setdefault(at, []).append(storage)
     in_place: dict[torch.fx.Node, torch.fx.Node] = {}  # each writer, and its donor
     for root, at in start.items():
-        donors = [d for d in dying.get(at, ()) if _writes_in_place(root, d, fused, kernels)]
-        if donors:
+        donors = (d for d in dying.get(at, ()) if _writes_in_place(root, d, fused, kernels))
+        donor = next(donors, None)
+        if donor is not None:
             nbytes = tensor_bytes(root.meta.get("val"))
             allocated[at] -= nbytes
             freed[at] -= nbytes
-            in_place[root] = donors[0]
+            in_place[root] = donor
     held = _reuse_holds(start, last_use, len(forward), in_place)
     for root, (freed_at, reused_at) in held.items():
         nbytes = tensor_bytes(root.meta.get("val"))

@@ -232,20 +232,17 @@ def _most_checkpointing_in_time(
     plan_at: PlanAt, options: OffloadOptions, blocks: tuple[str, ...], slowest: float
 ) -> PlannedChunk | None:
     """Of the plans checkpointing the last blocks within ``slowest``, the lowest peak
-    among those the halving tries (each block more recomputes more, so it looks for the
-    most blocks within ``slowest``); None where none is."""
-    fits, over = 0, len(blocks) + 1
-    best = None
-    while over - fits > 1:
-        count = (fits + over) // 2
-        tried = plan_at(_checkpointing(blocks, count, options))
-        if tried.planned.prediction.step_seconds > slowest:
-            over = count
-            continue
-        fits = count
-        if best is None or _peak(tried) < _peak(best):
-            best = tried
-    return best
+    among those made in halving to the fewest blocks past ``slowest`` (each block more
+    recomputes more); None where none is within it."""
+    planned: dict[int, PlannedChunk] = {}
+
+    def too_slow(count: int) -> bool:
+        planned[count] = plan_at(_checkpointing(blocks, count, options))
+        return planned[count].planned.prediction.step_seconds > slowest
+
+    _fewest(len(blocks), too_slow)
+    in_time = [p for p in planned.values() if p.planned.prediction.step_seconds <= slowest]
+    return min(in_time, key=_peak, default=None)
 
 
 def _checkpointing(blocks: tuple[str, ...], count: int, options: OffloadOptions) -> Split:
