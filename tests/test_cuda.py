@@ -350,6 +350,42 @@ def test_offloaded_memory_is_released_between_forward_and_backward():
     assert held_base - held_offload >= 0.9 * moved, (held_base, held_offload, moved)
 
 
+def _step_peak_over_parameters(depth: int, fraction: float) -> tuple[int, int]:
+    """(a training step's peak above what was allocated before it, the parameter bytes)."""
+    model = _blocks(depth=depth, dim=1024, heads=8).bfloat16()
+    compiled = torch.compile(model, backend=offload_pass.backend(fraction=fraction))
+    x = torch.randn(2, 1024, 1024, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        total(compiled(x)).backward()
+        torch.cuda.synchronize()
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return torch.cuda.max_memory_allocated() - before, nbytes
+
+
+def test_with_everything_moved_the_measured_floor_grows_by_gradients_alone():
+    """Four blocks more add their weight gradients to the step's peak and, with every
+    activation moved, next to none of their activations (``tests/test_order.py`` checks
+    the same of the plan's prediction)."""
+    (floor_2, params_2), (floor_6, params_6) = (
+        _step_peak_over_parameters(2, 1.0),
+        _step_peak_over_parameters(6, 1.0),
+    )
+    stock_2, _ = _step_peak_over_parameters(2, 0.0)
+    stock_6, _ = _step_peak_over_parameters(6, 0.0)
+    added_gradients = params_6 - params_2
+    added_activations = (stock_6 - stock_2) - added_gradients
+    assert added_activations > 2 * added_gradients
+    assert abs((floor_6 - floor_2) - added_gradients) <= 0.1 * added_activations, (
+        floor_6 - floor_2,
+        added_gradients,
+        added_activations,
+    )
+
+
 def _host_allocations() -> int:
     stats = torch.cuda.host_memory_stats()
     return stats.get("num_host_alloc", stats.get("allocations.allocated", 0))

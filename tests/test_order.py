@@ -129,3 +129,37 @@ def test_inductors_backward_code_runs_the_weight_gradient_first():
     products = [line for line in backward_code.splitlines() if "extern_kernels.mm(" in line]
     reads_a_weight = ["primals" in line for line in products]
     assert reads_a_weight == [False, True, False]
+
+
+def _planned_peak(depth: int, fraction: float) -> tuple[int, int]:
+    """(the peak predicted at ``fraction``, the stack's parameter bytes)."""
+    torch.manual_seed(0)
+    model = models.BlockStack(dim=256, heads=4, depth=depth)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    (plan,) = offload_pass.explain(
+        _Loss(model), torch.randn(2, 512, 256), profile=models.H200_INSTANT_HOST, fraction=fraction
+    ).plans
+    return plan.prediction.peak_bytes, nbytes
+
+
+class _Loss(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x).pow(2).mean()
+
+
+def test_with_everything_moved_the_floor_grows_with_depth_by_parameters_and_gradients_alone():
+    """The floor is the parameters, the weight gradients and one block's working set: four
+    blocks more add their parameters and gradients to it, and none of their activations."""
+    (floor_2, params_2), (floor_6, params_6) = _planned_peak(2, 1.0), _planned_peak(6, 1.0)
+    (stock_2, _), (stock_6, _) = _planned_peak(2, 0.0), _planned_peak(6, 0.0)
+    added_state = 2 * (params_6 - params_2)
+    added_activations = (stock_6 - stock_2) - added_state
+    assert added_activations > added_state  # what the floor must not grow by
+    assert abs((floor_6 - floor_2) - added_state) <= 0.01 * added_activations, (
+        floor_6 - floor_2,
+        added_state,
+    )
