@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.fx
@@ -165,17 +165,18 @@ def _memory_events(
         return None if root.op == "placeholder" and position[root] < len(forward) else root
 
     kernels: dict[torch.fx.Node, frozenset[torch.fx.Node]] = {}
+    runs_at = _kernel_positions(fused, position)
 
     def read_at(node: torch.fx.Node) -> int:
         """Where ``node`` reads its inputs: a fused node in each kernel it feeds."""
-        return max((position[k] for k in kernels_reading(node, kernels)), default=position[node])
+        return max((runs_at(k) for k in kernels_reading(node, kernels)), default=position[node])
 
     start: dict[torch.fx.Node, int] = {}
     last_use: dict[torch.fx.Node, int] = {}
     for node in itertools.chain(forward, backward):
         root = storage(node)
         if root is not None and root is node and materializes(node):
-            start[node] = position[node]
+            start[node] = runs_at(node)
         for arg in node.all_input_nodes:
             used = storage(arg)
             if used is None:
@@ -184,12 +185,14 @@ def _memory_events(
             if node.op != "output" or kept:
                 last_use[used] = max(last_use.get(used, 0), end if kept else read_at(node))
 
+    for root, at in start.items():  # a reader placed before the kernel runs after it
+        last_use[root] = max(at, last_use.get(root, at))
     allocated = [0] * len(position)
     freed = [0] * len(position)
     for root, at in start.items():
         nbytes = tensor_bytes(root.meta.get("val"))
         allocated[at] += nbytes
-        freed[max(at, last_use.get(root, at))] += nbytes
+        freed[last_use[root]] += nbytes
     # A kernel may write into a storage the step allocated, a saved value among them
     # (AOTAutograd donates those to backward), but not into backward's other inputs: the
     # tangents are the caller's.
@@ -200,7 +203,8 @@ def _memory_events(
             dying.setdefault(at, []).append(storage)
     in_place: dict[torch.fx.Node, torch.fx.Node] = {}  # each writer, and its donor
     for root, at in start.items():
-        donors = (d for d in dying.get(at, ()) if _writes_in_place(root, d, fused, kernels))
+        dead = (d for d in dying.get(at, ()) if start[d] < at)  # not one the kernel writes
+        donors = (d for d in dead if _writes_in_place(root, d, fused, kernels))
         donor = next(donors, None)
         if donor is not None:
             nbytes = tensor_bytes(root.meta.get("val"))
@@ -213,6 +217,23 @@ def _memory_events(
         freed[freed_at] -= nbytes
         allocated[reused_at] -= nbytes
     return tuple(allocated), tuple(freed)
+
+
+def _kernel_positions(
+    fused: dict[torch.fx.Node, torch.fx.Node], position: dict[torch.fx.Node, int]
+) -> Callable[[torch.fx.Node], int]:
+    """Where each node's kernel runs: at its last node, once every input of every value
+    it writes is there (values fused side by side, one before a matrix product the other
+    waits for, are both written after it)."""
+    last: dict[torch.fx.Node, int] = {}
+    for node, kernel in fused.items():
+        last[kernel] = max(last.get(kernel, 0), position[node])
+
+    def runs_at(node: torch.fx.Node) -> int:
+        kernel = fused.get(node)
+        return position[node] if kernel is None else last[kernel]
+
+    return runs_at
 
 
 def _reuse_holds(

@@ -256,6 +256,16 @@ def _depths(
     return depth
 
 
+def _written_before(nodes: Sequence[torch.fx.Node]) -> dict[torch.fx.Node, int]:
+    """How many values are written to memory before each node (Inductor's scheduler
+    numbers its nodes so, one per buffer)."""
+    found, count = {}, 0
+    for node in nodes:
+        found[node] = count
+        count += _writes_tensor(node)
+    return found
+
+
 def fused_kernels(nodes: Sequence[torch.fx.Node]) -> dict[torch.fx.Node, torch.fx.Node]:
     """Each op whose tensor is written to memory, and the first op of the kernel that
     writes it (multi-output results and the graph's inputs are not ops of their own).
@@ -263,14 +273,18 @@ def fused_kernels(nodes: Sequence[torch.fx.Node]) -> dict[torch.fx.Node, torch.f
     Fusible ops written to memory share a kernel, as Inductor fuses them, where one feeds
     the other directly in one loop (a normalization's statistics and its output: one
     kernel, two outputs), or where both read one value written to memory and write as
-    many elements (an activation's two gradients). A kernel that cannot fuse between them
-    (one depends on a matrix product of the other: a residual stream's next add, say)
-    keeps them apart.
+    many elements (an activation's two gradients, and a gated unit's product recomputed
+    beside them). A kernel that cannot fuse between them keeps them apart: in the first
+    case, one on a path into either (a residual stream's next add, say); in the second,
+    one on a path from the earlier to the later (fused, they would wait on each other),
+    or more than ``HORIZONTAL_REACH`` values written between them (Inductor's scheduler
+    does not fuse distant nodes side by side, which would lengthen live ranges).
     """
     written = [n for n in nodes if _writes_tensor(n)]
     parent = {n: n for n in written if n.op == "call_function" and n.target is not operator.getitem}
     depth = _depths(nodes, set(parent))
     order = {n: i for i, n in enumerate(nodes)}
+    written_at = _written_before(nodes)
     known: dict[torch.fx.Node, frozenset[torch.fx.Node]] = {}
     reduces: dict[torch.fx.Node, bool] = {}
 
@@ -300,12 +314,55 @@ def fused_kernels(nodes: Sequence[torch.fx.Node]) -> dict[torch.fx.Node, torch.f
             for kernel in readers:
                 if depth[kernel] == depth[value] and _one_loop(value, kernel, reduces):
                     join(value, kernel)
-        alike: dict[tuple[int, int], torch.fx.Node] = {}
-        for kernel in readers:
+        alike: dict[int, list[list[torch.fx.Node]]] = {}
+        for kernel in sorted(set(readers), key=order.__getitem__):
             sizes = _sizes(kernel)
-            if sizes is not None:
-                join(alike.setdefault((depth[kernel], math.prod(sizes)), kernel), kernel)
+            if sizes is None:
+                continue
+            groups = alike.setdefault(math.prod(sizes), [])
+            group = next((g for g in groups if _side_by_side(g, kernel, written_at)), None)
+            if group is None:
+                groups.append([kernel])
+            else:
+                join(group[0], kernel)
+                group.append(kernel)
     return {n: find(n) for n in parent}
+
+
+HORIZONTAL_REACH = 64
+"""How many values written apart two kernels may still fuse side by side (Inductor's
+``Scheduler.are_long_distant_nodes``)."""
+
+
+def _side_by_side(
+    group: list[torch.fx.Node], later: torch.fx.Node, written_at: dict[torch.fx.Node, int]
+) -> bool:
+    """Whether ``later`` fuses with each kernel of ``group``, all before it: none is
+    too far before it, and none reaches it through a kernel that cannot fuse."""
+    if written_at[later] - written_at[group[0]] > HORIZONTAL_REACH:
+        return False
+    return not any(_through_a_kernel(k, later, written_at) for k in group)
+
+
+def _through_a_kernel(
+    earlier: torch.fx.Node, later: torch.fx.Node, written_at: dict[torch.fx.Node, int]
+) -> bool:
+    """Whether a path from ``earlier`` to ``later`` passes a node that cannot fuse."""
+    stop = written_at[later]
+    seen: set[tuple[torch.fx.Node, bool]] = set()
+    frontier = [(user, False) for user in earlier.users]
+    while frontier:
+        node, passed = frontier.pop()
+        if node is later:
+            if passed:
+                return True
+            continue
+        if (node, passed) in seen or written_at.get(node, stop) > stop:
+            continue
+        seen.add((node, passed))
+        passed = passed or (node.op == "call_function" and not is_fusible(node))
+        frontier.extend((user, passed) for user in node.users)
+    return False
 
 
 def tensor_bytes(value: object) -> int:
