@@ -259,6 +259,63 @@ def test_values_of_one_size_computed_from_one_written_value_share_a_kernel():
     assert _launched(_two_gradients, (4, 4), (4, 4), (4, 4)) == ["mm", "mul", "mm_1", "mm_2"]
 
 
+def _gated_unit(x, w, g):
+    gate, up = torch.mm(x, w), torch.mm(x, w.t())
+    h = gate.sigmoid() * up  # the product, read by a weight gradient
+    dh = torch.mm(torch.mm(g, w), w)  # two products on, h not among their inputs
+    return torch.mm(h, w), torch.mm(dh * up, w), torch.mm(dh * gate.sigmoid(), w)
+
+
+def test_values_read_from_one_written_value_share_a_kernel_past_products_they_do_not_wait_on():
+    # h and both of dh's products read up and are as large: one kernel writes all three,
+    # as Inductor fuses a gated unit's product with its gradients
+    assert _launched(_gated_unit, (4, 4), (4, 4), (4, 4)) == [
+        "mm",
+        "mm_1",
+        "mul",
+        "mm_2",
+        "mm_3",
+        "mm_4",
+        "mm_5",
+        "mm_6",
+    ]
+
+
+def _gated_unit_waiting_on_its_product(x, w, g):
+    gate, up = torch.mm(x, w), torch.mm(x, w.t())
+    h = gate.sigmoid() * up
+    dh = torch.mm(h, w) + g  # waits on a product of h
+    return torch.mm(dh * up, w)
+
+
+def test_a_value_waiting_on_a_product_of_another_is_not_fused_with_it():
+    assert _launched(_gated_unit_waiting_on_its_product, (4, 4), (4, 4), (4, 4)) == [
+        "mm",
+        "mm_1",
+        "mul",
+        "mm_2",
+        "mul_1",
+        "mm_3",
+    ]
+
+
+def _backward_gated(y, tangent):
+    gate, up = torch.mm(y.t(), y), torch.mm(y.t(), y.cos())  # 8x8 each
+    h = gate.sigmoid() * up
+    dh = torch.mm(torch.mm(gate, up), up)
+    return torch.mm(h, gate) + torch.mm(dh * up, dh * gate.sigmoid()) * tangent
+
+
+def test_a_kernels_values_are_written_where_it_runs_after_the_products_it_waits_on():
+    """h is fused with dh's two products: all three are written once dh is there."""
+    chunk = _chunk(backward_fn=_backward_gated)
+    costs = estimate_costs(chunk, PROFILE)
+    offset = len(chunk.forward.graph.nodes)
+    at = {n.name: offset + i for i, n in enumerate(chunk.backward.graph.nodes)}
+    assert costs.allocated[at["mul"]] == 0  # h
+    assert costs.allocated[at["mul_2"]] == 3 * 8 * 8 * 4  # dh * gate.sigmoid(), last
+
+
 def _gradient_and_sums(g, w):
     d = torch.mm(g, w) * 2
     return torch.mm(d, w), d.sum(0), d.sum(1)
