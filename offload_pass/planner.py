@@ -12,7 +12,7 @@ Selection, per chunk:
   the smallest storages stay;
 - ``memory_budget`` moves the fewest candidates, those ``auto`` would move first, that
   bring the predicted peak under the budget, at the overlap depth (below) whose plan is
-  predicted fastest.
+  predicted fastest; where none does, the fewest that bring it lowest.
 
 Placement: each offload right after its producer; its wait at the first node by which
 the copy is predicted complete (and not before the last forward use); reloads as late as
@@ -66,6 +66,7 @@ FRACTION_REACHED = "fraction reached"
 WOULD_NOT_HIDE = "would not hide"
 SLOWS_THE_STEP = "slows the step"
 BUDGET_MET = "budget met"
+PEAK_NOT_LOWERED = "would not lower the peak"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -445,8 +446,9 @@ def _within_budget(
 ) -> tuple[set[str], int]:
     """The prefix of ``ranked`` that, with ``forced``, meets the budget in the step
     predicted fastest, and the overlap depth to place it with: per depth of
-    ``BUDGET_DEPTHS``, the shortest prefix that meets it there. If none does: all of
-    ``ranked``, at the depth of the lowest peak."""
+    ``BUDGET_DEPTHS``, the shortest prefix that meets it there. If none does: the
+    shortest prefix reaching the lowest peak, at the depth of that peak (a copy more
+    would slow the step and leave the peak where it is)."""
 
     def transfers(count: int, depth: int) -> list[Transfer]:
         return place([*forced, *ranked[:count]], costs, clocks, depth)
@@ -454,15 +456,18 @@ def _within_budget(
     def peak(count: int, depth: int) -> int:
         return peak_bytes(costs, transfers(count, depth), in_flight)
 
+    def fewest(depth: int, reaching: int) -> int:
+        counts = range(len(ranked) + 1)
+        return bisect.bisect_left(counts, True, key=lambda c: peak(c, depth) <= reaching)
+
     peaks = {d: peak(len(ranked), d) for d in BUDGET_DEPTHS}
     meeting = [d for d, p in peaks.items() if p <= budget]
     if not meeting:
         depth = min(peaks, key=lambda d: (peaks[d], -d))
-        return {g.root for g in ranked}, depth
+        return {g.root for g in ranked[: fewest(depth, peaks[depth])]}, depth
     plans = []
     for depth in meeting:
-        counts = range(len(ranked) + 1)
-        count = bisect.bisect_left(counts, True, key=lambda c: peak(c, depth) <= budget)
+        count = fewest(depth, budget)
         seconds = simulate(costs, transfers(count, depth), in_flight).step_seconds
         plans.append((seconds, count, depth))
     _, count, depth = min(plans)
@@ -501,11 +506,13 @@ def plan_offloads(groups: Sequence[SavedGroup], costs: ChunkCosts, request: Requ
 
     moved = [g for g in groups if g.root in chosen]
     transfers = tuple(place(moved, costs, clocks, depth))
+    prediction = simulate(costs, transfers, request.in_flight)
+    if budget is not None and prediction.peak_bytes > budget:
+        unchosen_reason = PEAK_NOT_LOWERED
     decisions = tuple(
         _decide(g, chosen, request, SLOWS_THE_STEP if g.root in slowing else unchosen_reason)
         for g in groups
     )
-    prediction = simulate(costs, transfers, request.in_flight)
     return ChunkPlan(decisions, transfers, prediction, budget, depth)
 
 

@@ -27,6 +27,7 @@ REASONS: dict[str, str] = {
     planner.FRACTION_REACHED: "moving it would exceed its module's share",
     planner.WOULD_NOT_HIDE: "auto: its copy would not finish under compute",
     planner.BUDGET_MET: "memory_budget: the peak is under the budget without it",
+    planner.PEAK_NOT_LOWERED: "memory_budget: moving it would not lower the peak, over the budget",
     analysis.INPUT_ALIAS: "the storage belongs to a graph input (parameter, batch)",
     analysis.USER_OUTPUT: "the caller holds it anyway",
     analysis.NON_DENSE: "its elements do not fill its storage span",

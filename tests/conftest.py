@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -81,3 +82,22 @@ def assert_same_step(a, b) -> None:
         assert torch.equal(grads_a[name], grads_b[name]), name
     if x_grad_a is not None or x_grad_b is not None:
         assert torch.equal(x_grad_a, x_grad_b)
+
+
+def every_block_checkpointed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every compile plans its chunk with every repeated block checkpointed, in whatever
+    mode its backend was given."""
+    from offload_pass.blocks import Split, find_blocks
+    from offload_pass.driver import plan_chunk
+    from offload_pass.joint import SearchSpace
+
+    def every_block(options, joint_graph, outputs):
+        return SearchSpace((), find_blocks(joint_graph, outputs))
+
+    def planned_at_every_block(partition, options, rule, space, host_scale=1.0):
+        split = Split(None, space.blocks)
+        planned = plan_chunk(partition(split), options, rule, host_scale)
+        return dataclasses.replace(planned, split=split)
+
+    monkeypatch.setattr("offload_pass.partition.search_space", every_block)
+    monkeypatch.setattr("offload_pass.partition.plan_jointly", planned_at_every_block)

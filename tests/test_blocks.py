@@ -19,7 +19,12 @@ from offload_pass.joint import SearchSpace
 from offload_pass.options import OffloadOptions
 from offload_pass.partition import stock_splits
 from tests import models
-from tests.conftest import assert_same_step, compiled_pair, train_step
+from tests.conftest import (
+    assert_same_step,
+    compiled_pair,
+    every_block_checkpointed,
+    train_step,
+)
 from tests.test_joint import SLOW_COPIES
 
 
@@ -156,9 +161,9 @@ class _DropoutBlocks(nn.Module):
 def test_checkpointed_blocks_that_draw_random_numbers_draw_the_same_again(monkeypatch):
     """Backward computes the dropout masks again from the generator's saved state: the
     gradients are those of the stock compile, which saved the masks."""
-    _force_checkpointing(monkeypatch)
+    every_block_checkpointed(monkeypatch)
     model, reference, backend = compiled_pair(
-        _DropoutBlocks, "eager", memory_budget=0.5, profile=SLOW_COPIES
+        _DropoutBlocks, "eager", fraction=1.0, profile=SLOW_COPIES
     )
     x = torch.randn(4, 64)
     got = [train_step(model, x, seed=step) for step in range(2)]
@@ -167,16 +172,6 @@ def test_checkpointed_blocks_that_draw_random_numbers_draw_the_same_again(monkey
     want = [train_step(reference, x, seed=step) for step in range(2)]
     for step, expected in zip(got, want, strict=True):
         assert_same_step(step, expected)
-
-
-def _every_block_checkpointed(monkeypatch) -> None:
-    """The budget's search planned at every block checkpointed, whatever it meets."""
-    _force_checkpointing(monkeypatch)
-
-    def every_block(plan_at, options, space, stock):
-        return plan_at(Split(None, space.blocks))
-
-    monkeypatch.setattr(joint, "_meet_budget", every_block)
 
 
 def _zoo_llama_steps(backend) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
@@ -202,8 +197,8 @@ def test_a_checkpointed_hf_decoder_with_moves_trains_as_the_stock_compile(monkey
     Inductor hands on as a real tensor: no transfer op may take it, as a value or as an
     ordering token."""
     pytest.importorskip("transformers")
-    _every_block_checkpointed(monkeypatch)
-    backend = offload_pass.backend(memory_budget=0.3, min_bytes=0)
+    every_block_checkpointed(monkeypatch)
+    backend = offload_pass.backend(fraction=1.0, min_bytes=0)
     got = _zoo_llama_steps(backend)
     (plan,) = backend.plans
     assert len(plan.checkpointed_blocks) == 2 and plan.moved

@@ -14,7 +14,7 @@ import offload_pass
 from offload_pass import device_cache, host_clock, ops, runtime, timing
 from offload_pass.profiles import BUILT_IN
 from tests import models
-from tests.conftest import total
+from tests.conftest import every_block_checkpointed, total
 
 pytestmark = [
     pytest.mark.cuda,
@@ -273,14 +273,9 @@ def test_checkpointed_blocks_with_their_inputs_moved_train_as_the_model(monkeypa
     the partitioner writes for it on CUDA), what they save moved, the copy to the host
     stalled: the gradients are the stock compile's, to rounding (the recomputed kernels
     are fused apart from the forward's)."""
-    from offload_pass import joint, partition
-
-    def blocks_alone(options, graph, outputs):
-        return joint.SearchSpace((), joint.search_space(options, graph, outputs).blocks)
-
-    monkeypatch.setattr(partition, "search_space", blocks_alone)
+    every_block_checkpointed(monkeypatch)
     model = _blocks(depth=4)
-    backend = offload_pass.backend(memory_budget=0.3, min_bytes=0, profile="h200")
+    backend = offload_pass.backend(fraction=1.0, min_bytes=0, profile="h200")
     compiled = torch.compile(model, backend=backend)
     x = torch.randn(2, 128, 256, device="cuda")
     _step(compiled, x)  # compiles

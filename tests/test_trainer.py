@@ -249,7 +249,7 @@ def test_trainer_trains_a_model_compiled_in_place_like_stock_compile(collator, m
 
 @pytest.mark.parametrize("regional", [False, True], ids=["whole", "regional"])
 def test_accelerate_trains_a_model_compiled_in_place_like_its_dynamo_plugin(regional, tmp_path):
-    """Whole: a memory budget by registered name, on padded batches. Regional: fraction 1
+    """Whole: fraction 1 by registered name, on padded batches. Regional: fraction 1
     after recomputing down to half the saved bytes, on packed ones, against stock compiles
     with the same recompute budget. Both compile for symbolic sizes from the first batch
     (``dynamic=True``; the Trainer tests compile static sizes first)."""
@@ -270,7 +270,7 @@ def test_accelerate_trains_a_model_compiled_in_place_like_its_dynamo_plugin(regi
         assert {"model.layers.0", "model.layers.1", "lm_head"} <= set(compiled)
     else:
         backend = offload_pass.register_backend(
-            "offload_test_accelerate", memory_budget=0.5, min_bytes=0
+            "offload_test_accelerate", fraction=1.0, min_bytes=0
         )
         model.compile(backend="offload_test_accelerate", dynamic=True)
     accelerator, prepared, steps = train_with_accelerate(model, collator)
