@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.fx
@@ -165,7 +165,10 @@ def _memory_events(
         return None if root.op == "placeholder" and position[root] < len(forward) else root
 
     kernels: dict[torch.fx.Node, frozenset[torch.fx.Node]] = {}
-    runs_at = _kernel_positions(fused, position)
+    kernel_at = _kernel_positions(fused, position)
+
+    def runs_at(node: torch.fx.Node) -> int:
+        return kernel_at.get(node, position[node])
 
     def read_at(node: torch.fx.Node) -> int:
         """Where ``node`` reads its inputs: a fused node in each kernel it feeds."""
@@ -221,19 +224,14 @@ def _memory_events(
 
 def _kernel_positions(
     fused: dict[torch.fx.Node, torch.fx.Node], position: dict[torch.fx.Node, int]
-) -> Callable[[torch.fx.Node], int]:
-    """Where each node's kernel runs: at its last node, once every input of every value
-    it writes is there (values fused side by side, one before a matrix product the other
-    waits for, are both written after it)."""
+) -> dict[torch.fx.Node, int]:
+    """Where the kernel writing each fused node runs: at its last node, once every input
+    of every value it writes is there (values fused side by side, one before a matrix
+    product the other waits for, are both written after it)."""
     last: dict[torch.fx.Node, int] = {}
     for node, kernel in fused.items():
         last[kernel] = max(last.get(kernel, 0), position[node])
-
-    def runs_at(node: torch.fx.Node) -> int:
-        kernel = fused.get(node)
-        return position[node] if kernel is None else last[kernel]
-
-    return runs_at
+    return {node: last[kernel] for node, kernel in fused.items()}
 
 
 def _reuse_holds(
@@ -259,7 +257,7 @@ def _reuse_holds(
         key = (at < num_forward, value.dtype, tensor_bytes(value))
         if root not in in_place:
             events.append((at, False, root, key))
-        dies = last_use.get(root, at)
+        dies = last_use[root]
         if root not in donors and (at < num_forward) == (dies < num_forward):
             events.append((dies, True, root, key))
     pools: dict[tuple[bool, torch.dtype, int], list[tuple[torch.fx.Node, int]]] = {}

@@ -9,6 +9,9 @@ import torch
 
 import offload_pass
 from offload_pass import device_cache
+from offload_pass.blocks import Split, find_blocks
+from offload_pass.driver import plan_chunk
+from offload_pass.joint import SearchSpace
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -87,9 +90,6 @@ def assert_same_step(a, b) -> None:
 def every_block_checkpointed(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every compile plans its chunk with every repeated block checkpointed, in whatever
     mode its backend was given."""
-    from offload_pass.blocks import Split, find_blocks
-    from offload_pass.driver import plan_chunk
-    from offload_pass.joint import SearchSpace
 
     def every_block(options, joint_graph, outputs):
         return SearchSpace((), find_blocks(joint_graph, outputs))
