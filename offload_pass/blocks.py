@@ -28,10 +28,13 @@ class Split:
     """How the partitioner splits a chunk's joint graph between forward and backward.
 
     ``recompute_budget``: torch's ``activation_memory_budget`` (None: torch's setting);
-    ``checkpointed``: the module paths of the blocks backward computes again whole."""
+    ``checkpointed``: the module paths of the blocks backward computes again whole;
+    ``recomputed``: the joint graph's nodes, saved values of another split, that backward
+    computes again one by one (:mod:`offload_pass.recomputation`)."""
 
     recompute_budget: float | None = None
     checkpointed: tuple[str, ...] = ()
+    recomputed: tuple[str, ...] = ()
 
 
 def find_blocks(joint: torch.fx.GraphModule, num_forward_outputs: int) -> tuple[str, ...]:

@@ -157,6 +157,7 @@ def rewrite_chunk(planned: PlannedChunk, name: str) -> Plan:
         {**planned.stage_seconds, **clock.seconds},
         planned.split.recompute_budget,
         planned.split.checkpointed,
+        planned.split.recomputed,
     )
 
 

@@ -45,6 +45,7 @@ not kept (``"search"``).
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -55,9 +56,13 @@ from offload_pass.blocks import Split, find_blocks
 from offload_pass.driver import PlannedChunk, plan_chunk
 from offload_pass.graphs import ChunkGraphs
 from offload_pass.options import SEARCH, FractionRule, OffloadOptions
+from offload_pass.recomputation import cheapest, recomputable
 
 RECOMPUTE_LEVELS = (0.8, 0.6, 0.4, 0.2)
 """The partitioner budgets a search may try, those below torch's setting."""
+
+VALUE_ROUNDS = 3
+"""How many times a budget's search recomputes more values, one split each."""
 
 Partition = Callable[[Split], ChunkGraphs]
 """The chunk's forward and backward graphs, split as asked."""
@@ -65,14 +70,17 @@ Partition = Callable[[Split], ChunkGraphs]
 
 @dataclasses.dataclass(frozen=True)
 class SearchSpace:
-    """The splits a search may try: the partitioner's knapsack at ``levels``, and the
-    last of ``blocks`` checkpointed (:mod:`offload_pass.blocks`), any number of them."""
+    """The splits a search may try: the partitioner's knapsack at ``levels``, the last
+    of ``blocks`` checkpointed (:mod:`offload_pass.blocks`), any number of them, and,
+    where ``values``, saved values recomputed one by one
+    (:mod:`offload_pass.recomputation`)."""
 
     levels: tuple[float, ...] = ()
     blocks: tuple[str, ...] = ()
+    values: bool = False
 
     def __bool__(self) -> bool:
-        return bool(self.levels or self.blocks)
+        return bool(self.levels or self.blocks or self.values)
 
 
 def search_space(
@@ -85,8 +93,8 @@ def search_space(
     partitioner agrees its choices across ranks (each split a collective, which ranks
     planning differently would call a different number of times); no level where the
     graph's nodes carry their own budget (the partitioner takes it over any setting, so
-    every level's split would be the same), and no block where they carry their own
-    checkpointing policy (the user's checkpointing is kept as it is)."""
+    every level's split would be the same), and no block or value where they carry their
+    own checkpointing policy (the user's checkpointing is kept as it is)."""
     chosen = options.recompute_budget
     searching = chosen == SEARCH or (chosen is None and options.memory_budget is not None)
     if not searching or _compat.partitions_sync_across_ranks():
@@ -97,6 +105,7 @@ def search_space(
     return SearchSpace(
         tuple(level for level in levels if level < torch_level),
         () if checkpointed else find_blocks(joint, num_forward_outputs),
+        values=not checkpointed,
     )
 
 
@@ -136,16 +145,22 @@ PlanAt = Callable[..., PlannedChunk]
 def _meet_budget(
     plan_at: PlanAt, options: OffloadOptions, space: SearchSpace, stock: PlannedChunk
 ) -> PlannedChunk:
-    """The plan meeting the budget predicted fastest, else the nearest: the levels',
-    then, where none meets the budget within the tolerance, the checkpointed blocks'."""
+    """The plan meeting the budget predicted fastest, else the nearest: the levels'; where
+    none meets the budget within the tolerance, the stock split with values recomputed
+    in place of what it moves or misses; where that does not either, the checkpointed
+    blocks'. The values are recomputed on the stock split alone: under a level, the
+    partitioner's knapsack would save others in their place."""
     slowest = _slowest(stock, options)
     # a share of the stock peak, in bytes, for every split (at least one: bytes must be)
     in_bytes = dataclasses.replace(options, memory_budget=max(1, stock.planned.budget_bytes))
     best = _level_meeting_budget(plan_at, in_bytes, space.levels, stock, slowest)
-    if not space.blocks or _meets_budget_in_time(best, slowest):
-        return best
-    checkpointing = _checkpointing_meeting_budget(plan_at, in_bytes, space.blocks)
-    return min(best, checkpointing, key=_shortfall_then_step)
+    if space.values and not _meets_budget_in_time(best, slowest):
+        recomputing = _values_recomputed_for_budget(plan_at, in_bytes, stock)
+        best = min(best, recomputing, key=_shortfall_then_step)
+    if space.blocks and not _meets_budget_in_time(best, slowest):
+        checkpointing = _checkpointing_meeting_budget(plan_at, in_bytes, space.blocks)
+        best = min(best, checkpointing, key=_shortfall_then_step)
+    return best
 
 
 def _level_meeting_budget(
@@ -193,6 +208,42 @@ def _checkpointing_meeting_budget(
     return min(planned.values(), key=_shortfall_then_step)
 
 
+def _values_recomputed_for_budget(
+    plan_at: PlanAt, in_bytes: OffloadOptions, planned: PlannedChunk
+) -> PlannedChunk:
+    """The fastest plan meeting the budget, else the nearest, of up to ``VALUE_ROUNDS``
+    splits, each ``planned``'s or the last one's with more values recomputed: those
+    cheapest per byte to compute again, kept or moved, until their bytes reach what the
+    last plan moves and misses the budget by, in no more time than its moves add to its
+    step (any, where it misses the budget). The rounds stop at a plan neither nearer the
+    budget nor faster than the last."""
+    best = planned
+    for _ in range(VALUE_ROUNDS):
+        chunk = planned.planned
+        prediction = chunk.prediction
+        moved = sum(d.group.nbytes for d in chunk.decisions if d.moved)
+        slowdown = prediction.step_seconds - prediction.baseline_seconds
+        affordable = math.inf if chunk.budget_shortfall else slowdown
+        names = cheapest(
+            recomputable(planned, moved=True), chunk.budget_shortfall + moved, affordable
+        )
+        if not names:
+            break
+        split = planned.split
+        tried = plan_at(dataclasses.replace(split, recomputed=split.recomputed + names), in_bytes)
+        if not _nearer_or_faster(tried, planned):
+            break
+        best = min(best, tried, key=_shortfall_then_step)
+        planned = tried
+    return best
+
+
+def _nearer_or_faster(planned: PlannedChunk, than: PlannedChunk) -> bool:
+    shortfall, step = _shortfall_then_step(planned)
+    shortfall_than, step_than = _shortfall_then_step(than)
+    return shortfall < shortfall_than or step < step_than
+
+
 def _fewest(most: int, enough: Callable[[int], bool]) -> int | None:
     """The fewest of 1 to ``most`` that is ``enough``, by halving (each count more is
     taken to be as much enough); None where ``most`` is not."""
@@ -210,7 +261,9 @@ def _lowest_peak_in_time(
     plan_at: PlanAt, options: OffloadOptions, space: SearchSpace, stock: PlannedChunk
 ) -> PlannedChunk:
     """``auto``'s plan predicting the lowest peak within the tolerance of the stock
-    split's step with nothing moved: the levels', and the checkpointed blocks'."""
+    split's step with nothing moved: the levels', the checkpointed blocks', and the
+    stock split's with the values it keeps recomputed, as many as the tolerance leaves
+    time for."""
     slowest = _slowest(stock, options)
     best = stock
     for level in space.levels:
@@ -222,10 +275,28 @@ def _lowest_peak_in_time(
             best = tried
     if not space.blocks:
         return best
-    checkpointing = _most_checkpointing_in_time(plan_at, options, space.blocks, slowest)
-    if checkpointing is not None and _peak(checkpointing) < _peak(best):
-        return checkpointing
-    return best
+    if space.blocks:
+        checkpointing = _most_checkpointing_in_time(plan_at, options, space.blocks, slowest)
+        if checkpointing is not None and _peak(checkpointing) < _peak(best):
+            best = checkpointing
+    if not space.values:
+        return best
+    recomputing = _values_recomputed_in_time(plan_at, stock, slowest)
+    return recomputing if _peak(recomputing) < _peak(best) else best
+
+
+def _values_recomputed_in_time(
+    plan_at: PlanAt, planned: PlannedChunk, slowest: float
+) -> PlannedChunk:
+    """``planned``'s split with the values it keeps that are cheapest to compute again
+    per byte recomputed, as many as fit between its step and ``slowest``, where that
+    plan's step is within ``slowest``; else ``planned``."""
+    spare = slowest - planned.planned.prediction.step_seconds
+    names = cheapest(recomputable(planned, moved=False), math.inf, spare)
+    if not names:
+        return planned
+    tried = plan_at(dataclasses.replace(planned.split, recomputed=names))
+    return tried if tried.planned.prediction.step_seconds <= slowest else planned
 
 
 def _most_checkpointing_in_time(

@@ -30,14 +30,17 @@ def stock_splits(
     """The stock min-cut partitioner's split of ``joint``: under a recompute budget,
     choosing what to recompute by ``recompute_seconds`` where given
     (``_compat.stock_partition``), with the blocks the split names checkpointed
-    (:mod:`offload_pass.blocks`).
+    (:mod:`offload_pass.blocks`) and the values it names recomputed, those in a region
+    after the blocks'.
 
     Where the split recomputes values that Inductor would write out and hold through
     backward (:mod:`offload_pass.realized`), the partitioner splits again, told to save
-    them."""
+    them (of the values the split names, too: held, they would free nothing)."""
 
     def stock(split: Split, held: frozenset[str] = frozenset()) -> ChunkGraphs:
         recomputed = recomputed_regions(joint, kwargs["num_fwd_outputs"], split.checkpointed)
+        after_blocks = len(split.checkpointed)
+        recomputed.update((name, after_blocks) for name in split.recomputed if name not in held)
         with _compat.partitioner_policies(joint, held, recomputed):
             graphs = _compat.stock_partition(
                 joint,

@@ -28,7 +28,9 @@ class Plan:
     ``recompute_budget``: the partitioner's ``activation_memory_budget`` the graphs were
     split under (None: torch's setting), and ``checkpointed_blocks`` the module paths of
     the blocks backward computes again whole, chosen by the options or by the joint
-    search (:mod:`offload_pass.joint`).
+    search (:mod:`offload_pass.joint`); ``recomputed_values`` the forward nodes, saved
+    under the split without them, that the search chose to compute again in backward
+    (:mod:`offload_pass.recomputation`).
     """
 
     chunk: str
@@ -39,6 +41,7 @@ class Plan:
     stage_seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
     recompute_budget: float | None = None
     checkpointed_blocks: tuple[str, ...] = ()
+    recomputed_values: tuple[str, ...] = ()
 
     @property
     def profile(self) -> DeviceProfile:

@@ -149,9 +149,14 @@ def summary(plan: Plan) -> str:
         )
     if plan.checkpointed_blocks:
         lines.append(
-            f"{len(plan.checkpointed_blocks)} blocks checkpointed, {_block_span(plan)}: "
-            "backward computes them again from their inputs, and the step and peak above "
-            "are of that split"
+            f"{len(plan.checkpointed_blocks)} blocks checkpointed, "
+            f"{_span(plan.checkpointed_blocks)}: backward computes them again from their "
+            "inputs, and the step and peak above are of that split"
+        )
+    if plan.recomputed_values:
+        lines.append(
+            f"{len(plan.recomputed_values)} saved values recomputed in backward instead, "
+            f"{_span(plan.recomputed_values)}: the step and peak above are of that split"
         )
     if (reason := why_nothing_moved(plan)) is not None:
         lines.append(reason)
@@ -163,9 +168,8 @@ def summary(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def _block_span(plan: Plan) -> str:
-    blocks = plan.checkpointed_blocks
-    return blocks[0] if len(blocks) == 1 else f"{blocks[0]} to {blocks[-1]}"
+def _span(names: tuple[str, ...]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]} to {names[-1]}"
 
 
 def short_op(op: str) -> str:

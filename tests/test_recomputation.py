@@ -1,0 +1,124 @@
+"""Saved values recomputed one by one: which the search may choose, what the split then
+saves, and that the step still trains as the stock compile."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from offload_pass.joint import SearchSpace, search_space
+from offload_pass.options import OffloadOptions
+from offload_pass.recomputation import Recomputable, cheapest
+from tests import models
+from tests.conftest import assert_same_step, compiled_pair, train_step
+from tests.test_joint import BUDGET, SLOW_COPIES
+
+
+def _candidate(name: str, nbytes: int, seconds: float) -> Recomputable:
+    return Recomputable((name,), nbytes, seconds)
+
+
+CANDIDATES = (
+    _candidate("a", 100, 1.0),
+    _candidate("b", 100, 2.0),
+    _candidate("c", 100, 4.0),
+)
+
+
+def test_the_cheapest_are_taken_until_their_bytes_reach_the_need():
+    assert cheapest(CANDIDATES, 150, seconds=100.0) == ("a", "b")
+    assert cheapest(CANDIDATES, 100, seconds=100.0) == ("a",)
+    assert cheapest(CANDIDATES, 0, seconds=100.0) == ()
+
+
+def test_none_is_taken_past_the_time_allowed():
+    assert cheapest(CANDIDATES, 300, seconds=3.0) == ("a", "b")
+    assert cheapest(CANDIDATES, 300, seconds=0.5) == ()
+
+
+def _search_values_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The joint search tries recomputing values alone, no level and no block."""
+    monkeypatch.setattr("offload_pass.partition.search_space", lambda *_: SearchSpace(values=True))
+
+
+@pytest.fixture
+def values_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    _search_values_alone(monkeypatch)
+
+
+def _plan_under_slow_copies(compiler: str):
+    model, reference, backend = compiled_pair(
+        models.BlockStack, compiler, memory_budget=BUDGET, profile=SLOW_COPIES
+    )
+    x = torch.randn(2, 16, 32)
+    steps = [train_step(model, x, seed=seed) for seed in range(2)]
+    expected = [train_step(reference, x, seed=seed) for seed in range(2)]
+    (plan,) = backend.plans
+    return plan, steps, expected
+
+
+def _targets(graph: torch.fx.Graph) -> collections.Counter:
+    return collections.Counter(n.target for n in graph.nodes if n.op == "call_function")
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_values_recomputed_in_place_of_slow_moves_train_as_the_stock_compile(
+    values_alone, compiler
+):
+    plan, steps, expected = _plan_under_slow_copies(compiler)
+    assert plan.recomputed_values
+    assert not plan.planned.budget_shortfall
+    assert "saved values recomputed in backward instead" in str(plan)
+    saved = {name for d in plan.decisions for name in d.group.members}
+    assert saved.isdisjoint(plan.recomputed_values)
+    # the ops that made them run again in backward, once more than in the stock split's
+    model, _, backend = compiled_pair(models.BlockStack, compiler, fraction=0.0)
+    train_step(model, torch.randn(2, 16, 32))
+    (stock,) = backend.plans
+    forward = {n.name: n.target for n in plan.forward.graph.nodes}
+    recomputed_ops = {forward[name] for name in plan.recomputed_values}
+    in_backward, in_stock_backward = _targets(plan.backward.graph), _targets(stock.backward.graph)
+    assert all(in_backward[op] > in_stock_backward[op] for op in recomputed_ops)
+    for step, want in zip(steps, expected, strict=True):
+        assert_same_step(step, want)
+
+
+def test_recomputing_values_is_faster_than_moving_alone_when_copies_are_slow(monkeypatch):
+    model, _, backend = compiled_pair(
+        models.BlockStack, "eager", memory_budget=BUDGET, profile=SLOW_COPIES, recompute_budget=1.0
+    )
+    train_step(model, torch.randn(2, 16, 32))
+    (moving_alone,) = backend.plans
+    _search_values_alone(monkeypatch)
+    plan, _, _ = _plan_under_slow_copies("eager")
+    assert not moving_alone.recomputed_values
+    assert plan.recomputed_values
+    assert plan.prediction.step_seconds < moving_alone.prediction.step_seconds
+
+
+def test_values_that_draw_random_numbers_are_never_recomputed(values_alone):
+    model, _, backend = compiled_pair(
+        models.DropoutMLP, "eager", memory_budget=BUDGET, profile=SLOW_COPIES
+    )
+    train_step(model, torch.randn(8, 64))
+    (plan,) = backend.plans
+    random_ops = {
+        n.name
+        for n in plan.forward.graph.nodes
+        if isinstance(n.target, torch._ops.OpOverload)
+        and torch.Tag.nondeterministic_seeded in n.target.tags
+    }
+    assert random_ops
+    assert random_ops.isdisjoint(plan.recomputed_values)
+
+
+def test_the_search_offers_values_unless_the_graph_carries_its_own_checkpointing():
+    options = OffloadOptions(memory_budget=0.5)
+    plain = torch.fx.symbolic_trace(models.MLP())
+    assert search_space(options, plain, 1).values
+    checkpointed = torch.fx.symbolic_trace(models.MLP())
+    next(iter(checkpointed.graph.nodes)).meta["recompute"] = "must save"
+    assert not search_space(options, checkpointed, 1).values
+    assert not search_space(OffloadOptions(), plain, 1).values
