@@ -1,10 +1,13 @@
 """What a memory budget's plan predicts on each split the joint search may try: the
 stock partition, then the partitioner recomputing more (``offload_pass.joint``), each
-planned for the same budget in bytes, and the split the search keeps. Nothing runs
-(``offload_pass.explain``): on the CPU the plans use the H200 profile; with ``--device
-cuda`` they use the device's own trace (its attention kernels) and measured rates.
+planned for the same budget in bytes, and the split the search keeps (a level, blocks
+checkpointed, or values recomputed one by one). Nothing runs (``offload_pass.explain``):
+on the CPU the plans use the H200 profile; with ``--device cuda`` they use the device's
+own trace (its attention kernels) and measured rates. With ``--zoo`` the model is that
+model-zoo architecture at its GPU size, in bf16, on the device given.
 
     python -m benchmarks.recompute_levels --workload W1 --budget-gib 7.35
+    python -m benchmarks.recompute_levels --zoo llama --budget-gib 2.77
 """
 
 from __future__ import annotations
@@ -15,20 +18,22 @@ import tabulate
 import torch
 
 import offload_pass
-from benchmarks import workloads
+from benchmarks import workloads, zoo
 from offload_pass.joint import RECOMPUTE_LEVELS
 
 GiB = 2**30
 MiB = 2**20
 
 
-def planned(task: torch.nn.Module, x: torch.Tensor, **options: object) -> dict[str, object]:
+def planned(
+    task: torch.nn.Module, x: object, device: torch.device, **options: object
+) -> dict[str, object]:
     torch.compiler.reset()
-    profile = "h200" if x.device.type == "cpu" else None
+    profile = "h200" if device.type == "cpu" else None
     (plan,) = offload_pass.explain(task, x, profile=profile, **options).plans
     p = plan.prediction
     return {
-        "split": "stock" if plan.recompute_budget is None else plan.recompute_budget,
+        "split": _split(plan),
         "peak MiB, nothing moved": p.baseline_peak_bytes / MiB,
         "peak MiB": p.peak_bytes / MiB,
         "over budget MiB": plan.planned.budget_shortfall / MiB,
@@ -39,20 +44,39 @@ def planned(task: torch.nn.Module, x: torch.Tensor, **options: object) -> dict[s
     }
 
 
+def _split(plan: offload_pass.Plan) -> str:
+    level = "stock" if plan.recompute_budget is None else f"{plan.recompute_budget:g}"
+    blocks = f", {len(plan.checkpointed_blocks)} blocks" if plan.checkpointed_blocks else ""
+    values = f", {len(plan.recomputed_values)} values" if plan.recomputed_values else ""
+    return level + blocks + values
+
+
+def _task(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Module, object]:
+    if args.zoo is None:
+        model, x = workloads.build(workloads.BY_NAME[args.workload], args.device)
+        return workloads.WithLoss(model), x
+    built = zoo.MODELS[args.zoo]
+    model = built.make(built.gpu).to(device=device, dtype=torch.bfloat16)
+    return built.task(model, built.gpu, device, torch.bfloat16)
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default="W1", choices=list(workloads.BY_NAME))
     parser.add_argument("--budget-gib", type=float, required=True)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--zoo", choices=sorted(zoo.MODELS), help="a model-zoo architecture instead of --workload"
+    )
     args = parser.parse_args(argv)
-    model, x = workloads.build(workloads.BY_NAME[args.workload], args.device)
-    task = workloads.WithLoss(model)
+    device = torch.device(args.device)
+    task, x = _task(args, device)
     budget = int(args.budget_gib * GiB)
     rows = [
-        planned(task, x, memory_budget=budget, recompute_budget=level)
+        planned(task, x, device, memory_budget=budget, recompute_budget=level)
         for level in (1.0, *RECOMPUTE_LEVELS)
     ]
-    kept = planned(task, x, memory_budget=budget)
+    kept = planned(task, x, device, memory_budget=budget)
     rows.append({**kept, "split": f"kept: {kept['split']}"})
     print(tabulate.tabulate(rows, headers="keys", floatfmt=".3f"))
     return rows

@@ -38,6 +38,13 @@ checkpointed within the tolerance where that lowers the peak further than the le
 Checkpointing the last blocks first leaves the first blocks' values, which have the
 longest copy windows, to be moved.
 
+A level cannot be refined value by value (its knapsack would save others in place of
+the values marked), but the stock split can: where no level meets the budget within the
+tolerance, the search plans it with single saved values recomputed
+(:mod:`offload_pass.recomputation`), those cheapest per byte freed, as many as its plan
+moves and misses by, in rounds, before it tries the blocks. ``auto`` recomputes those
+that fit into its tolerance.
+
 The kept plan's ``stage_seconds`` carry the seconds spent splitting and planning the splits
 not kept (``"search"``).
 """
