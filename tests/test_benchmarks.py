@@ -390,7 +390,7 @@ def test_recompute_levels_plans_each_split_and_names_the_one_kept():
 
     # under the small stack's peak with nothing moved (1.02 MiB), above a recomputing split's
     rows = recompute_levels.main(["--workload", "tiny", "--budget-gib", "0.00095"])
-    assert [r["split"] for r in rows[:-1]] == [1.0, *RECOMPUTE_LEVELS]
+    assert [r["split"] for r in rows[:-1]] == [f"{level:g}" for level in (1.0, *RECOMPUTE_LEVELS)]
     assert rows[0]["over budget MiB"] > 0
     kept = rows[-1]
     assert str(kept["split"]).startswith("kept: ")
