@@ -231,9 +231,7 @@ def _values_recomputed_for_budget(
         moved = sum(d.group.nbytes for d in chunk.decisions if d.moved)
         slowdown = prediction.step_seconds - prediction.baseline_seconds
         affordable = math.inf if chunk.budget_shortfall else slowdown
-        names = cheapest(
-            recomputable(planned, moved=True), chunk.budget_shortfall + moved, affordable
-        )
+        names = cheapest(recomputable(planned), chunk.budget_shortfall + moved, affordable)
         if not names:
             break
         split = planned.split
@@ -280,8 +278,6 @@ def _lowest_peak_in_time(
             break
         if prediction.step_seconds <= slowest and prediction.peak_bytes < _peak(best):
             best = tried
-    if not space.blocks:
-        return best
     if space.blocks:
         checkpointing = _most_checkpointing_in_time(plan_at, options, space.blocks, slowest)
         if checkpointing is not None and _peak(checkpointing) < _peak(best):
@@ -299,7 +295,8 @@ def _values_recomputed_in_time(
     per byte recomputed, as many as fit between its step and ``slowest``, where that
     plan's step is within ``slowest``; else ``planned``."""
     spare = slowest - planned.planned.prediction.step_seconds
-    names = cheapest(recomputable(planned, moved=False), math.inf, spare)
+    kept = [value for value in recomputable(planned) if not value.moved]
+    names = cheapest(kept, math.inf, spare)
     if not names:
         return planned
     tried = plan_at(dataclasses.replace(planned.split, recomputed=names))

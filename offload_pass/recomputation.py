@@ -27,32 +27,32 @@ from offload_pass.graphs import storage_root, tensor_bytes
 class Recomputable:
     """A saved storage backward could compute again: the forward nodes that name it (its
     producer first, then the saved views of it), the bytes recomputing it would free,
-    and what computing it once more is predicted to take."""
+    what computing it once more is predicted to take, and whether the plan moves it."""
 
     names: tuple[str, ...]
     nbytes: int
     seconds: float
+    moved: bool
 
 
-def recomputable(planned: PlannedChunk, moved: bool) -> tuple[Recomputable, ...]:
-    """The storages ``planned`` keeps (and those it moves, where ``moved``) that backward
-    may compute again, cheapest per byte it would free first: those the planner may
-    move, made and viewed by ops that return one tensor each and draw no random numbers
-    (computed again, they would draw others). A storage frees its bytes less those of the inputs its
-    producer reads that the split does not already save; one that frees none is left
-    out."""
+def recomputable(planned: PlannedChunk) -> tuple[Recomputable, ...]:
+    """The storages ``planned`` saves that backward may compute again, cheapest per byte
+    freed first: those the planner may move, made and viewed by ops that return one
+    tensor each and draw no random numbers (computed again, they would draw others). A
+    storage frees its bytes less those of the inputs its producer reads that the split
+    does not already save; one that frees none is left out."""
     nodes = {node.name: node for node in planned.chunk.forward.graph.nodes}
-    groups = [d.group for d in planned.planned.decisions if moved or not d.moved]
     saved = {nodes[d.group.root] for d in planned.planned.decisions}
     seconds = planned.costs.forward_seconds
     found = []
-    for group in groups:
+    for decision in planned.planned.decisions:
+        group = decision.group
         names = tuple(dict.fromkeys((group.root, *group.members)))
         if group.fixed_reason is not None or not all(_computable_again(nodes[n]) for n in names):
             continue
         frees = group.nbytes - _bytes_saved_instead(nodes[group.root], saved)
         if frees > 0:
-            found.append(Recomputable(names, frees, seconds[group.produced_at]))
+            found.append(Recomputable(names, frees, seconds[group.produced_at], decision.moved))
     return tuple(sorted(found, key=lambda r: r.seconds / r.nbytes))
 
 

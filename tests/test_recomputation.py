@@ -17,7 +17,7 @@ from tests.test_joint import BUDGET, SLOW_COPIES
 
 
 def _candidate(name: str, nbytes: int, seconds: float) -> Recomputable:
-    return Recomputable((name,), nbytes, seconds)
+    return Recomputable((name,), nbytes, seconds, moved=False)
 
 
 CANDIDATES = (
@@ -122,3 +122,22 @@ def test_the_search_offers_values_unless_the_graph_carries_its_own_checkpointing
     next(iter(checkpointed.graph.nodes)).meta["recompute"] = "must save"
     assert not search_space(options, checkpointed, 1).values
     assert not search_space(OffloadOptions(), plain, 1).values
+
+
+def test_auto_recomputes_what_its_tolerance_leaves_time_for_where_that_lowers_the_peak(
+    monkeypatch,
+):
+    x = torch.randn(16, 64, 32)  # activations, not parameters, make the peak
+    model, _, backend = compiled_pair(models.BlockStack, "eager", stall_tolerance=0.2)
+    train_step(model, x)
+    (stock,) = backend.plans
+    _search_values_alone(monkeypatch)
+    model, reference, backend = compiled_pair(
+        models.BlockStack, "eager", recompute_budget="search", stall_tolerance=0.2
+    )
+    step = train_step(model, x)
+    (plan,) = backend.plans
+    assert plan.recomputed_values
+    assert plan.prediction.peak_bytes < stock.prediction.peak_bytes
+    assert plan.prediction.step_seconds <= stock.prediction.baseline_seconds * 1.2
+    assert_same_step(step, train_step(reference, x))
