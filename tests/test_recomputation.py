@@ -98,20 +98,37 @@ def test_recomputing_values_is_faster_than_moving_alone_when_copies_are_slow(mon
     assert plan.prediction.step_seconds < moving_alone.prediction.step_seconds
 
 
-def test_values_that_draw_random_numbers_are_never_recomputed(values_alone):
-    model, _, backend = compiled_pair(
-        models.DropoutMLP, "eager", memory_budget=BUDGET, profile=SLOW_COPIES
+class RandomScale(torch.nn.Module):
+    """A value that draws random numbers, saved for backward."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(width, 4 * width)
+        self.fc2 = torch.nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.gelu(self.fc1(x))
+        return self.fc2(h * torch.rand_like(h))
+
+
+def test_values_that_draw_random_numbers_stay_saved(values_alone):
+    model, reference, backend = compiled_pair(
+        RandomScale, "eager", memory_budget=BUDGET, profile=SLOW_COPIES
     )
-    train_step(model, torch.randn(8, 64))
+    x = torch.randn(32, 64)
+    step = train_step(model, x)
     (plan,) = backend.plans
-    random_ops = {
+    drawn = [
         n.name
         for n in plan.forward.graph.nodes
         if isinstance(n.target, torch._ops.OpOverload)
         and torch.Tag.nondeterministic_seeded in n.target.tags
-    }
-    assert random_ops
-    assert random_ops.isdisjoint(plan.recomputed_values)
+    ]
+    assert plan.recomputed_values
+    assert drawn
+    assert set(drawn).isdisjoint(plan.recomputed_values)
+    assert set(drawn) <= {d.group.root for d in plan.decisions}
+    assert_same_step(step, train_step(reference, x))
 
 
 def test_the_search_offers_values_unless_the_graph_carries_its_own_checkpointing():
