@@ -12,6 +12,7 @@ import torch
 
 import offload_pass
 from offload_pass import device_cache, host_clock, ops, runtime, timing
+from offload_pass.joint import SearchSpace
 from offload_pass.profiles import BUILT_IN
 from tests import models
 from tests.conftest import every_block_checkpointed, total
@@ -286,6 +287,34 @@ def test_checkpointed_blocks_with_their_inputs_moved_train_as_the_model(monkeypa
     assert plan.checkpointed_blocks and plan.moved
     names = {str(n.target) for n in plan.forward.graph.nodes}
     assert any("rng_state" in name for name in names), names
+    expected_grads, expected_x_grad = _step(torch.compile(copy.deepcopy(model)), x)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], msg=name)
+    torch.testing.assert_close(x_grad, expected_x_grad)
+
+
+def test_values_recomputed_beside_moves_train_as_the_model(monkeypatch):
+    """Saved values computed again in backward one by one, what the budget still needs
+    moved, the copy to the host stalled: the gradients are the stock compile's, to
+    rounding. Copies priced at 1 GB/s make moving alone slow, so the search recomputes."""
+    monkeypatch.setattr("offload_pass.partition.search_space", lambda *_: SearchSpace(values=True))
+    slow_copies = dataclasses.replace(
+        BUILT_IN["h200"],
+        name="h200, copies at 1 GB/s",
+        device_to_host=1e9,
+        host_to_device=1e9,
+        both_directions=2e9,
+    )
+    model = _blocks(depth=4)
+    backend = offload_pass.backend(memory_budget=0.7, min_bytes=0, profile=slow_copies)
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(8, 512, 256, device="cuda")
+    _step(compiled, x)  # compiles
+    torch.cuda.synchronize()
+    _stall(runtime.copy_streams(x.device).device_to_host)
+    grads, x_grad = _step(compiled, x)
+    (plan,) = backend.plans
+    assert plan.recomputed_values and plan.moved
     expected_grads, expected_x_grad = _step(torch.compile(copy.deepcopy(model)), x)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected_grads[name], msg=name)
