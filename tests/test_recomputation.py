@@ -13,7 +13,14 @@ from offload_pass.options import OffloadOptions
 from offload_pass.recomputation import Recomputable, cheapest
 from tests import models
 from tests.conftest import assert_same_step, compiled_pair, train_step
-from tests.test_joint import BUDGET, SLOW_COPIES
+from tests.test_joint import SLOW_COPIES
+
+BATCH = (16, 64, 32)
+"""Enough tokens that activations, not parameters, make the small stack's peak."""
+
+BUDGET = 0.95
+"""A share of the small stack's peak that recomputing single values meets, where moving
+alone meets it only slowly."""
 
 
 def _candidate(name: str, nbytes: int, seconds: float) -> Recomputable:
@@ -52,7 +59,7 @@ def _plan_under_slow_copies(compiler: str):
     model, reference, backend = compiled_pair(
         models.BlockStack, compiler, memory_budget=BUDGET, profile=SLOW_COPIES
     )
-    x = torch.randn(2, 16, 32)
+    x = torch.randn(*BATCH)
     steps = [train_step(model, x, seed=seed) for seed in range(2)]
     expected = [train_step(reference, x, seed=seed) for seed in range(2)]
     (plan,) = backend.plans
@@ -75,7 +82,7 @@ def test_values_recomputed_in_place_of_slow_moves_train_as_the_stock_compile(
     assert saved.isdisjoint(plan.recomputed_values)
     # the ops that made them run again in backward, once more than in the stock split's
     model, _, backend = compiled_pair(models.BlockStack, compiler, fraction=0.0)
-    train_step(model, torch.randn(2, 16, 32))
+    train_step(model, torch.randn(*BATCH))
     (stock,) = backend.plans
     forward = {n.name: n.target for n in plan.forward.graph.nodes}
     recomputed_ops = {forward[name] for name in plan.recomputed_values}
@@ -89,7 +96,7 @@ def test_recomputing_values_is_faster_than_moving_alone_when_copies_are_slow(mon
     model, _, backend = compiled_pair(
         models.BlockStack, "eager", memory_budget=BUDGET, profile=SLOW_COPIES, recompute_budget=1.0
     )
-    train_step(model, torch.randn(2, 16, 32))
+    train_step(model, torch.randn(*BATCH))
     (moving_alone,) = backend.plans
     _search_values_alone(monkeypatch)
     plan, _, _ = _plan_under_slow_copies("eager")
@@ -144,7 +151,7 @@ def test_the_search_offers_values_unless_the_graph_carries_its_own_checkpointing
 def test_auto_recomputes_what_its_tolerance_leaves_time_for_where_that_lowers_the_peak(
     monkeypatch,
 ):
-    x = torch.randn(16, 64, 32)  # activations, not parameters, make the peak
+    x = torch.randn(*BATCH)
     model, _, backend = compiled_pair(models.BlockStack, "eager", stall_tolerance=0.2)
     train_step(model, x)
     (stock,) = backend.plans
