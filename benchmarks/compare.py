@@ -228,6 +228,7 @@ def _against_checkpointing(
 COLUMNS = (
     ("config", "config", "{}"),
     ("status", "status", "{}"),
+    ("split", "split", "{}"),
     ("step_ms", "step ms", "{:.1f}"),
     ("step_ratio", "ratio", "{:.3f}"),
     ("paired_step_ratio", "ratio in turns", "{:.3f}"),

@@ -51,6 +51,8 @@ class Measurement:
     predicted_peak_bytes: int | None = None
     predicted_peak_saved_bytes: int | None = None
     moved_names: tuple[str, ...] = ()
+    split: str | None = None
+    """How the plans' graphs were split (``Plan.split_name``), each distinct one once."""
     transfer_ops: int | None = None
     """Offload and reload ops a step issues (each moves a bucket of storages)."""
     host_ms: float | None = None
@@ -147,6 +149,7 @@ def _predictions(shared: dict[str, Any]) -> dict[str, Any]:
         "predicted_peak_saved_bytes": max(p.prediction.baseline_peak_bytes for p in plans)
         - max(p.prediction.peak_bytes for p in plans),
         "moved_names": tuple(d.group.root for p in plans for d in p.moved),
+        "split": "; ".join(dict.fromkeys(p.split_name for p in plans)),
     }
     if not shared.get("whole_step", True):
         return saving

@@ -33,7 +33,7 @@ def planned(
     (plan,) = offload_pass.explain(task, x, profile=profile, **options).plans
     p = plan.prediction
     return {
-        "split": _split(plan),
+        "split": plan.split_name,
         "peak MiB, nothing moved": p.baseline_peak_bytes / MiB,
         "peak MiB": p.peak_bytes / MiB,
         "over budget MiB": plan.planned.budget_shortfall / MiB,
@@ -42,13 +42,6 @@ def planned(
         "saved MiB": plan.bytes_saved_for_backward / MiB,
         "moved MiB": plan.bytes_moved / MiB,
     }
-
-
-def _split(plan: offload_pass.Plan) -> str:
-    level = "stock" if plan.recompute_budget is None else f"{plan.recompute_budget:g}"
-    blocks = f", {len(plan.checkpointed_blocks)} blocks" if plan.checkpointed_blocks else ""
-    values = f", {len(plan.recomputed_values)} values" if plan.recomputed_values else ""
-    return level + blocks + values
 
 
 def _task(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Module, object]:

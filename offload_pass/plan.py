@@ -44,6 +44,16 @@ class Plan:
     recomputed_values: tuple[str, ...] = ()
 
     @property
+    def split_name(self) -> str:
+        """How the graphs were split, in short: the partitioner's level ("stock" for
+        torch's setting), then the blocks checkpointed and the values recomputed, if
+        any: ``"0.8"``, ``"stock, 8 blocks"``, ``"stock, 37 values"``."""
+        level = "stock" if self.recompute_budget is None else f"{self.recompute_budget:g}"
+        blocks = f", {len(self.checkpointed_blocks)} blocks" if self.checkpointed_blocks else ""
+        values = f", {len(self.recomputed_values)} values" if self.recomputed_values else ""
+        return level + blocks + values
+
+    @property
     def profile(self) -> DeviceProfile:
         return self.costs.profile
 

@@ -35,6 +35,8 @@ def test_harness_runs_on_a_tiny_model_and_writes_its_results(tmp_path):
     moved_any = rows["offload_pass fraction 0.5"]["bytes_moved"] > 0
     assert (rows["offload_pass fraction 0.5"]["transfer_ops"] > 0) == moved_any
     assert rows["checkpoint blocks"]["bytes_moved"] is None  # not measured for peers
+    assert rows["offload_pass fraction 0.5"]["split"] == "stock"
+    assert rows["checkpoint blocks"]["split"] is None
     assert rows["save_on_cpu"]["status"] == "needs a CUDA device"
     (written,) = tmp_path.glob("*.json")
     assert json.loads(written.read_text())["workloads"]["tiny"]["rows"]
