@@ -9,7 +9,19 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from offload_pass.profiles import BUILT_IN
+from offload_pass.profiles import BUILT_IN, DeviceProfile
+
+
+def copies_at(profile: DeviceProfile, bandwidth: float, name: str) -> DeviceProfile:
+    """``profile``'s rates with copies at ``bandwidth`` bytes/s each way."""
+    return dataclasses.replace(
+        profile,
+        name=name,
+        device_to_host=bandwidth,
+        host_to_device=bandwidth,
+        both_directions=2 * bandwidth,
+    )
+
 
 H200_INSTANT_HOST = dataclasses.replace(
     BUILT_IN["h200"],

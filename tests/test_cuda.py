@@ -269,56 +269,48 @@ def test_gradients_exact_with_a_stalled_copy_stream(stalled):
     assert torch.equal(xg.grad, expected_x_grad)
 
 
-def test_checkpointed_blocks_with_their_inputs_moved_train_as_the_model(monkeypatch):
-    """Blocks computed again in backward (their attention under the random-state wrapper
-    the partitioner writes for it on CUDA), what they save moved, the copy to the host
-    stalled: the gradients are the stock compile's, to rounding (the recomputed kernels
-    are fused apart from the forward's)."""
-    every_block_checkpointed(monkeypatch)
-    model = _blocks(depth=4)
-    backend = offload_pass.backend(fraction=1.0, min_bytes=0, profile="h200")
+def _stalled_step_as_stock(model: torch.nn.Module, backend, x: torch.Tensor):
+    """Compile ``model`` with ``backend``, step it once more with the copy to the host
+    stalled, and check the gradients against the stock compile's, to rounding (the
+    kernels computed again in backward are fused apart from the forward's); its plan."""
     compiled = torch.compile(model, backend=backend)
-    x = torch.randn(2, 128, 256, device="cuda")
     _step(compiled, x)  # compiles
     torch.cuda.synchronize()
     _stall(runtime.copy_streams(x.device).device_to_host)
     grads, x_grad = _step(compiled, x)
-    (plan,) = backend.plans
-    assert plan.checkpointed_blocks and plan.moved
-    names = {str(n.target) for n in plan.forward.graph.nodes}
-    assert any("rng_state" in name for name in names), names
     expected_grads, expected_x_grad = _step(torch.compile(copy.deepcopy(model)), x)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected_grads[name], msg=name)
     torch.testing.assert_close(x_grad, expected_x_grad)
+    (plan,) = backend.plans
+    return plan
+
+
+def test_checkpointed_blocks_with_their_inputs_moved_train_as_the_model(monkeypatch):
+    """Blocks computed again in backward (their attention under the random-state wrapper
+    the partitioner writes for it on CUDA), what they save moved, the copy to the host
+    stalled: the gradients are the stock compile's."""
+    every_block_checkpointed(monkeypatch)
+    backend = offload_pass.backend(fraction=1.0, min_bytes=0, profile="h200")
+    plan = _stalled_step_as_stock(
+        _blocks(depth=4), backend, torch.randn(2, 128, 256, device="cuda")
+    )
+    assert plan.checkpointed_blocks and plan.moved
+    names = {str(n.target) for n in plan.forward.graph.nodes}
+    assert any("rng_state" in name for name in names), names
 
 
 def test_values_recomputed_beside_moves_train_as_the_model(monkeypatch):
     """Saved values computed again in backward one by one, what the budget still needs
-    moved, the copy to the host stalled: the gradients are the stock compile's, to
-    rounding. Copies priced at 1 GB/s make moving alone slow, so the search recomputes."""
+    moved, the copy to the host stalled: the gradients are the stock compile's. Copies
+    priced at 1 GB/s make moving alone slow, so the search recomputes."""
     monkeypatch.setattr("offload_pass.partition.search_space", lambda *_: SearchSpace(values=True))
-    slow_copies = dataclasses.replace(
-        BUILT_IN["h200"],
-        name="h200, copies at 1 GB/s",
-        device_to_host=1e9,
-        host_to_device=1e9,
-        both_directions=2e9,
-    )
-    model = _blocks(depth=4)
+    slow_copies = models.copies_at(BUILT_IN["h200"], 1e9, "h200, copies at 1 GB/s")
     backend = offload_pass.backend(memory_budget=0.7, min_bytes=0, profile=slow_copies)
-    compiled = torch.compile(model, backend=backend)
-    x = torch.randn(8, 512, 256, device="cuda")
-    _step(compiled, x)  # compiles
-    torch.cuda.synchronize()
-    _stall(runtime.copy_streams(x.device).device_to_host)
-    grads, x_grad = _step(compiled, x)
-    (plan,) = backend.plans
+    plan = _stalled_step_as_stock(
+        _blocks(depth=4), backend, torch.randn(8, 512, 256, device="cuda")
+    )
     assert plan.recomputed_values and plan.moved
-    expected_grads, expected_x_grad = _step(torch.compile(copy.deepcopy(model)), x)
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, expected_grads[name], msg=name)
-    torch.testing.assert_close(x_grad, expected_x_grad)
 
 
 def test_auto_plans_again_where_the_host_measured_on_its_first_steps_is_too_slow():

@@ -4,7 +4,6 @@ under that split."""
 
 from __future__ import annotations
 
-import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -26,21 +25,9 @@ BUDGET = 0.9
 """A share of the small stack's peak that moving alone meets, and so does recomputing
 (nothing the stack saves goes below 0.84: its parameters and gradients)."""
 
-
-def _copies_at(bandwidth: float, name: str):
-    """The CPU's rates with copies at ``bandwidth`` bytes/s each way (on the CPU a copy
-    adds its whole time to the step)."""
-    return dataclasses.replace(
-        BUILT_IN["cpu"],
-        name=name,
-        device_to_host=bandwidth,
-        host_to_device=bandwidth,
-        both_directions=2 * bandwidth,
-    )
-
-
-SLOW_COPIES = _copies_at(1e8, "slow copies")
-FAST_COPIES = _copies_at(1e15, "fast copies")
+# the CPU's rates with slow and fast copies (on the CPU a copy adds its whole time to the step)
+SLOW_COPIES = models.copies_at(BUILT_IN["cpu"], 1e8, "slow copies")
+FAST_COPIES = models.copies_at(BUILT_IN["cpu"], 1e15, "fast copies")
 
 
 def _plan(compiler: str = "eager", **options):
