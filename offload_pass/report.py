@@ -155,7 +155,7 @@ def summary(plan: Plan) -> str:
         )
     if plan.recomputed_values:
         lines.append(
-            f"{len(plan.recomputed_values)} saved values recomputed in backward instead, "
+            f"{len(plan.recomputed_values)} saved values and views recomputed in backward instead, "
             f"{_span(plan.recomputed_values)}: the step and peak above are of that split"
         )
     if (reason := why_nothing_moved(plan)) is not None:

@@ -77,7 +77,7 @@ def test_values_recomputed_in_place_of_slow_moves_train_as_the_stock_compile(
     plan, steps, expected = _plan_under_slow_copies(compiler)
     assert plan.recomputed_values
     assert not plan.planned.budget_shortfall
-    assert "saved values recomputed in backward instead" in str(plan)
+    assert "saved values and views recomputed in backward instead" in str(plan)
     assert plan.split_name == f"stock, {len(plan.recomputed_values)} values"
     saved = {name for d in plan.decisions for name in d.group.members}
     assert saved.isdisjoint(plan.recomputed_values)
