@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 import torch.fx
 
+from offload_pass import _compat
 from offload_pass.driver import PlannedChunk
 from offload_pass.graphs import storage_root, tensor_bytes
 
@@ -74,7 +75,7 @@ def _computable_again(node: torch.fx.Node) -> bool:
     target = node.target
     return (
         node.op == "call_function"
-        and isinstance(target, torch._ops.OpOverload)
+        and _compat.is_aten_op(target)
         and torch.Tag.nondeterministic_seeded not in target.tags
         and isinstance(node.meta.get("val"), torch.Tensor)
     )

@@ -8,6 +8,7 @@ import collections
 import pytest
 import torch
 
+from offload_pass import _compat
 from offload_pass.joint import SearchSpace, search_space
 from offload_pass.options import OffloadOptions
 from offload_pass.recomputation import Recomputable, cheapest
@@ -129,8 +130,7 @@ def test_values_that_draw_random_numbers_stay_saved(values_alone):
     drawn = [
         n.name
         for n in plan.forward.graph.nodes
-        if isinstance(n.target, torch._ops.OpOverload)
-        and torch.Tag.nondeterministic_seeded in n.target.tags
+        if _compat.is_aten_op(n.target) and torch.Tag.nondeterministic_seeded in n.target.tags
     ]
     assert plan.recomputed_values
     assert drawn
