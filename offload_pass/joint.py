@@ -63,7 +63,13 @@ from offload_pass.blocks import Split, find_blocks
 from offload_pass.driver import PlannedChunk, plan_chunk
 from offload_pass.graphs import ChunkGraphs
 from offload_pass.options import SEARCH, FractionRule, OffloadOptions
-from offload_pass.recomputation import cheapest, recomputable
+from offload_pass.recomputation import (
+    Order,
+    cheapest,
+    first_made_first,
+    last_made_first,
+    recomputable,
+)
 
 RECOMPUTE_LEVELS = (0.8, 0.6, 0.4, 0.2)
 """The partitioner budgets a search may try, those below torch's setting."""
@@ -218,12 +224,23 @@ def _checkpointing_meeting_budget(
 def _values_recomputed_for_budget(
     plan_at: PlanAt, in_bytes: OffloadOptions, planned: PlannedChunk
 ) -> PlannedChunk:
+    """The fastest plan meeting the budget, else the nearest, of the rounds of values
+    recomputed taking equals first made first and last made first: which leaves the
+    lower peak depends on where the step peaks (``recomputation.last_made_first``)."""
+    orders = (first_made_first, last_made_first)
+    rounds = (_rounds(plan_at, in_bytes, planned, order) for order in orders)
+    return min(rounds, key=_shortfall_then_step)
+
+
+def _rounds(
+    plan_at: PlanAt, in_bytes: OffloadOptions, planned: PlannedChunk, order: Order
+) -> PlannedChunk:
     """The fastest plan meeting the budget, else the nearest, of up to ``VALUE_ROUNDS``
-    splits, each ``planned``'s or the last one's with more values recomputed: those
-    cheapest per byte to compute again, kept or moved, until their bytes reach what the
-    last plan moves and misses the budget by, in no more time than its moves add to its
-    step (any, where it misses the budget). The rounds stop at a plan neither nearer the
-    budget nor faster than the last."""
+    splits, each ``planned``'s or the last one's with more values recomputed: those first
+    in ``order``, kept or moved, until their bytes reach what the last plan moves and
+    misses the budget by, in no more time than its moves add to its step (any, where it
+    misses the budget). The rounds stop at a plan neither nearer the budget nor faster
+    than the last."""
     best = planned
     for _ in range(VALUE_ROUNDS):
         chunk = planned.planned
@@ -231,11 +248,11 @@ def _values_recomputed_for_budget(
         moved = sum(d.group.nbytes for d in chunk.decisions if d.moved)
         slowdown = prediction.step_seconds - prediction.baseline_seconds
         affordable = math.inf if chunk.budget_shortfall else slowdown
-        names = cheapest(recomputable(planned), chunk.budget_shortfall + moved, affordable)
+        names = cheapest(order(recomputable(planned)), chunk.budget_shortfall + moved, affordable)
         if not names:
             break
-        split = planned.split
-        tried = plan_at(dataclasses.replace(split, recomputed=split.recomputed + names), in_bytes)
+        recomputed = tuple(dict.fromkeys(planned.split.recomputed + names))
+        tried = plan_at(dataclasses.replace(planned.split, recomputed=recomputed), in_bytes)
         if not _nearer_or_faster(tried, planned):
             break
         best = min(best, tried, key=_shortfall_then_step)
@@ -295,7 +312,7 @@ def _values_recomputed_in_time(
     per byte recomputed, as many as fit between its step and ``slowest``, where that
     plan's step is within ``slowest``; else ``planned``."""
     spare = slowest - planned.planned.prediction.step_seconds
-    kept = [value for value in recomputable(planned) if not value.moved]
+    kept = first_made_first([value for value in recomputable(planned) if not value.moved])
     names = cheapest(kept, math.inf, spare)
     if not names:
         return planned

@@ -28,9 +28,9 @@ class Plan:
     ``recompute_budget``: the partitioner's ``activation_memory_budget`` the graphs were
     split under (None: torch's setting), and ``checkpointed_blocks`` the module paths of
     the blocks backward computes again whole, chosen by the options or by the joint
-    search (:mod:`offload_pass.joint`); ``recomputed_values`` the forward nodes, saved
-    under the split without them, that the search chose to compute again in backward
-    (:mod:`offload_pass.recomputation`).
+    search (:mod:`offload_pass.joint`); ``recomputed_nodes`` the forward nodes the search
+    chose to compute again in backward one by one: values the split without them saves,
+    and the nodes they are computed from (:mod:`offload_pass.recomputation`).
     """
 
     chunk: str
@@ -41,17 +41,17 @@ class Plan:
     stage_seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
     recompute_budget: float | None = None
     checkpointed_blocks: tuple[str, ...] = ()
-    recomputed_values: tuple[str, ...] = ()
+    recomputed_nodes: tuple[str, ...] = ()
 
     @property
     def split_name(self) -> str:
         """How the graphs were split, in short: the partitioner's level ("stock" for
-        torch's setting), then the blocks checkpointed and the values recomputed, if
-        any: ``"0.8"``, ``"stock, 8 blocks"``, ``"stock, 37 values"``."""
+        torch's setting), then the blocks checkpointed and the nodes recomputed one by
+        one, if any: ``"0.8"``, ``"stock, 8 blocks"``, ``"stock, 116 nodes"``."""
         level = "stock" if self.recompute_budget is None else f"{self.recompute_budget:g}"
         blocks = f", {len(self.checkpointed_blocks)} blocks" if self.checkpointed_blocks else ""
-        values = f", {len(self.recomputed_values)} values" if self.recomputed_values else ""
-        return level + blocks + values
+        nodes = f", {len(self.recomputed_nodes)} nodes" if self.recomputed_nodes else ""
+        return level + blocks + nodes
 
     @property
     def profile(self) -> DeviceProfile:

@@ -14,21 +14,22 @@ the partitioner must save instead included.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.fx
 
 from offload_pass import _compat
 from offload_pass.driver import PlannedChunk
-from offload_pass.graphs import storage_root, tensor_bytes
 
 
 @dataclasses.dataclass(frozen=True)
 class Recomputable:
-    """A saved storage backward could compute again: the forward nodes that name it (its
-    producer first, then the saved views of it), the bytes recomputing it would free,
-    what computing it once more is predicted to take, and whether the plan moves it."""
+    """A saved storage backward could compute again: the forward nodes to mark (those
+    that name it, its producer first, then the saved views of it, then the nodes its
+    producer reads, transitively, that the split does not save), the bytes recomputing
+    it frees, what computing those nodes once more is predicted to take, and whether the
+    plan moves it."""
 
     names: tuple[str, ...]
     nbytes: int
@@ -37,24 +38,54 @@ class Recomputable:
 
 
 def recomputable(planned: PlannedChunk) -> tuple[Recomputable, ...]:
-    """The storages ``planned`` saves that backward may compute again, cheapest per byte
-    freed first: those the planner may move, made and viewed by ops that return one
-    tensor each and draw no random numbers (computed again, they would draw others). A
-    storage frees its bytes less those of the inputs its producer reads that the split
-    does not already save; one that frees none is left out."""
-    nodes = {node.name: node for node in planned.chunk.forward.graph.nodes}
-    saved = {nodes[d.group.root] for d in planned.planned.decisions}
+    """The storages ``planned`` saves that backward may compute again, in the order
+    forward makes them: those the planner may move whose computation from what the split
+    saves (or the graph's inputs) runs ops that return one tensor each and draw no random
+    numbers (computed again, they would draw others). Computed from what is saved anyway,
+    a storage frees all its bytes; its price is the time of the nodes computed again that
+    the split does not already recompute."""
+    graph = planned.chunk.forward.graph
+    index = {node: i for i, node in enumerate(graph.nodes)}
+    nodes = {node.name: node for node in index}
+    decisions = sorted(planned.planned.decisions, key=lambda d: d.group.produced_at)
+    saved = {nodes[name] for d in decisions for name in (d.group.root, *d.group.members)}
+    already = set(planned.split.recomputed)
     seconds = planned.costs.forward_seconds
     found = []
-    for decision in planned.planned.decisions:
+    for decision in decisions:
         group = decision.group
-        names = tuple(dict.fromkeys((group.root, *group.members)))
-        if group.fixed_reason is not None or not all(_computable_again(nodes[n]) for n in names):
+        members = [nodes[name] for name in dict.fromkeys((group.root, *group.members))]
+        needed = _computation(nodes[group.root], saved)
+        if group.fixed_reason is not None or group.nbytes <= 0 or needed is None:
             continue
-        frees = group.nbytes - _bytes_saved_instead(nodes[group.root], saved)
-        if frees > 0:
-            found.append(Recomputable(names, frees, seconds[group.produced_at], decision.moved))
-    return tuple(sorted(found, key=lambda r: r.seconds / r.nbytes))
+        if not all(_computable_again(node) for node in members):
+            continue
+        marked = tuple(dict.fromkeys(node.name for node in (*members, *needed)))
+        cost = sum(seconds[index[node]] for node in needed if node.name not in already)
+        found.append(Recomputable(marked, group.nbytes, cost, decision.moved))
+    return tuple(found)
+
+
+Order = Callable[[Sequence[Recomputable]], list[Recomputable]]
+"""An order in which to take candidates for recomputation."""
+
+
+def first_made_first(candidates: Sequence[Recomputable]) -> list[Recomputable]:
+    """``candidates`` (in the order forward makes them) cheapest per byte first, and among
+    equals, the first made first: the last made, needed first in backward, stay saved."""
+    return sorted(candidates, key=_price)
+
+
+def last_made_first(candidates: Sequence[Recomputable]) -> list[Recomputable]:
+    """``candidates`` (in the order forward makes them) cheapest per byte first, and among
+    equals, the last made first: the first made, with the longest copy windows, stay
+    saved to be moved, and are not computed again where backward ends, beside its
+    gradients."""
+    return sorted(reversed(candidates), key=_price)
+
+
+def _price(candidate: Recomputable) -> float:
+    return candidate.seconds / candidate.nbytes
 
 
 def cheapest(candidates: Sequence[Recomputable], nbytes: float, seconds: float) -> tuple[str, ...]:
@@ -81,12 +112,22 @@ def _computable_again(node: torch.fx.Node) -> bool:
     )
 
 
-def _bytes_saved_instead(producer: torch.fx.Node, saved: set[torch.fx.Node]) -> int:
-    """The bytes of the storages ``producer`` reads that are neither inputs of the graph
-    nor among ``saved``: what the split must save instead, to compute it again."""
-    read = {storage_root(node) for node in producer.all_input_nodes}
-    return sum(
-        tensor_bytes(node.meta.get("val"))
-        for node in read
-        if node.op != "placeholder" and node not in saved
-    )
+def _computation(
+    value: torch.fx.Node, saved: set[torch.fx.Node]
+) -> tuple[torch.fx.Node, ...] | None:
+    """``value`` and the nodes it reads, transitively, short of ``saved`` and the graph's
+    inputs: what backward computes to have ``value`` again. None where one of them
+    cannot be computed again."""
+    needed: dict[torch.fx.Node, None] = {}
+    pending = [value]
+    while pending:
+        node = pending.pop()
+        if node in needed:
+            continue
+        if not _computable_again(node):
+            return None
+        needed[node] = None
+        pending.extend(
+            read for read in node.all_input_nodes if read.op != "placeholder" and read not in saved
+        )
+    return tuple(needed)

@@ -153,10 +153,11 @@ def summary(plan: Plan) -> str:
             f"{_span(plan.checkpointed_blocks)}: backward computes them again from their "
             "inputs, and the step and peak above are of that split"
         )
-    if plan.recomputed_values:
+    if plan.recomputed_nodes:
         lines.append(
-            f"{len(plan.recomputed_values)} saved values and views recomputed in backward instead, "
-            f"{_span(plan.recomputed_values)}: the step and peak above are of that split"
+            f"{len(plan.recomputed_nodes)} forward nodes computed again in backward one by one "
+            f"(saved values and what they are computed from), {_span(plan.recomputed_nodes)}: "
+            "the step and peak above are of that split"
         )
     if (reason := why_nothing_moved(plan)) is not None:
         lines.append(reason)

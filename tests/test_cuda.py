@@ -310,7 +310,7 @@ def test_values_recomputed_beside_moves_train_as_the_model(monkeypatch):
     plan = _stalled_step_as_stock(
         _blocks(depth=4), backend, torch.randn(8, 512, 256, device="cuda")
     )
-    assert plan.recomputed_values and plan.moved
+    assert plan.recomputed_nodes and plan.moved
 
 
 def test_auto_plans_again_where_the_host_measured_on_its_first_steps_is_too_slow():

@@ -7,11 +7,18 @@ import collections
 
 import pytest
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from offload_pass import _compat
 from offload_pass.joint import SearchSpace, search_space
 from offload_pass.options import OffloadOptions
-from offload_pass.recomputation import Recomputable, cheapest
+from offload_pass.recomputation import (
+    Recomputable,
+    _computation,
+    cheapest,
+    first_made_first,
+    last_made_first,
+)
 from tests import models
 from tests.conftest import assert_same_step, compiled_pair, train_step
 from tests.test_joint import SLOW_COPIES
@@ -76,19 +83,22 @@ def test_values_recomputed_in_place_of_slow_moves_train_as_the_stock_compile(
     values_alone, compiler
 ):
     plan, steps, expected = _plan_under_slow_copies(compiler)
-    assert plan.recomputed_values
+    assert plan.recomputed_nodes
     assert not plan.planned.budget_shortfall
-    assert "saved values and views recomputed in backward instead" in str(plan)
-    assert plan.split_name == f"stock, {len(plan.recomputed_values)} values"
+    assert "forward nodes computed again in backward one by one" in str(plan)
+    assert plan.split_name == f"stock, {len(plan.recomputed_nodes)} nodes"
     saved = {name for d in plan.decisions for name in d.group.members}
-    assert saved.isdisjoint(plan.recomputed_values)
-    # the ops that made them run again in backward, once more than in the stock split's
+    assert saved.isdisjoint(plan.recomputed_nodes)
+    # the ops that made the values the stock split saves run again in backward, once
+    # more than in the stock split's
     model, _, backend = compiled_pair(models.BlockStack, compiler, fraction=0.0)
     train_step(model, torch.randn(*BATCH))
     (stock,) = backend.plans
+    saved_by_stock = {d.group.root for d in stock.decisions}
     forward = {n.name: n.target for n in plan.forward.graph.nodes}
-    recomputed_ops = {forward[name] for name in plan.recomputed_values}
+    recomputed_ops = {forward[name] for name in plan.recomputed_nodes if name in saved_by_stock}
     in_backward, in_stock_backward = _targets(plan.backward.graph), _targets(stock.backward.graph)
+    assert recomputed_ops
     assert all(in_backward[op] > in_stock_backward[op] for op in recomputed_ops)
     for step, want in zip(steps, expected, strict=True):
         assert_same_step(step, want)
@@ -102,8 +112,8 @@ def test_recomputing_values_is_faster_than_moving_alone_when_copies_are_slow(mon
     (moving_alone,) = backend.plans
     _search_values_alone(monkeypatch)
     plan, _, _ = _plan_under_slow_copies("eager")
-    assert not moving_alone.recomputed_values
-    assert plan.recomputed_values
+    assert not moving_alone.recomputed_nodes
+    assert plan.recomputed_nodes
     assert plan.prediction.step_seconds < moving_alone.prediction.step_seconds
 
 
@@ -132,9 +142,9 @@ def test_values_that_draw_random_numbers_stay_saved(values_alone):
         for n in plan.forward.graph.nodes
         if _compat.is_aten_op(n.target) and torch.Tag.nondeterministic_seeded in n.target.tags
     ]
-    assert plan.recomputed_values
+    assert plan.recomputed_nodes
     assert drawn
-    assert set(drawn).isdisjoint(plan.recomputed_values)
+    assert set(drawn).isdisjoint(plan.recomputed_nodes)
     assert set(drawn) <= {d.group.root for d in plan.decisions}
     assert_same_step(step, train_step(reference, x))
 
@@ -162,7 +172,37 @@ def test_auto_recomputes_what_its_tolerance_leaves_time_for_where_that_lowers_th
     )
     step = train_step(model, x)
     (plan,) = backend.plans
-    assert plan.recomputed_values
+    assert plan.recomputed_nodes
     assert plan.prediction.peak_bytes < stock.prediction.peak_bytes
     assert plan.prediction.step_seconds <= stock.prediction.baseline_seconds * 1.2
     assert_same_step(step, train_step(reference, x))
+
+
+def test_ties_in_price_are_broken_by_when_forward_made_them():
+    made = (_candidate("a", 100, 1.0), _candidate("b", 100, 1.0), _candidate("c", 100, 0.5))
+    assert [c.names for c in first_made_first(made)] == [("c",), ("a",), ("b",)]
+    assert [c.names for c in last_made_first(made)] == [("c",), ("b",), ("a",)]
+
+
+def _aten_graph(f, *args: torch.Tensor) -> dict[str, torch.fx.Node]:
+    graph = make_fx(f)(*args).graph
+    return {node.name: node for node in graph.nodes}
+
+
+def test_a_value_is_computed_again_from_what_is_saved_with_what_lies_between():
+    def f(x, w):
+        return torch.mm(torch.relu(x * 2), w)
+
+    nodes = _aten_graph(f, torch.randn(4, 4), torch.randn(4, 4))
+    mm, relu, mul = nodes["mm"], nodes["relu"], nodes["mul"]
+    assert set(_computation(mm, saved=set())) == {mm, relu, mul}
+    assert set(_computation(mm, saved={relu})) == {mm}
+
+
+def test_a_value_computed_from_random_numbers_is_not_computed_again():
+    def f(x, w):
+        return torch.mm(x * torch.rand_like(x), w)
+
+    nodes = _aten_graph(f, torch.randn(4, 4), torch.randn(4, 4))
+    assert _computation(nodes["mm"], saved=set()) is None
+    assert _computation(nodes["mm"], saved={nodes["mul"]}) == (nodes["mm"],)
