@@ -29,8 +29,9 @@ class Split:
 
     ``recompute_budget``: torch's ``activation_memory_budget`` (None: torch's setting);
     ``checkpointed``: the module paths of the blocks backward computes again whole;
-    ``recomputed``: the joint graph's nodes, saved values of another split, that backward
-    computes again one by one (:mod:`offload_pass.recomputation`)."""
+    ``recomputed``: the joint graph's nodes that backward computes again one by one, saved
+    values of another split and the nodes they are computed from
+    (:mod:`offload_pass.recomputation`)."""
 
     recompute_budget: float | None = None
     checkpointed: tuple[str, ...] = ()

@@ -40,10 +40,13 @@ longest copy windows, to be moved.
 
 A level cannot be refined value by value (its knapsack would save others in place of
 the values marked), but the stock split can: where no level meets the budget within the
-tolerance, the search plans it with single saved values recomputed
-(:mod:`offload_pass.recomputation`), those cheapest per byte freed, as many as its plan
-moves and misses by, in rounds, before it tries the blocks. ``auto`` recomputes those
-that fit into its tolerance.
+tolerance, the search plans it with saved values recomputed, each with the nodes it is
+computed from (:mod:`offload_pass.recomputation`), those cheapest per byte freed, as
+many as its plan moves and misses by, in rounds, before it tries the blocks. Values of
+one price (the same op in every block) are taken in two orders, each in its own rounds:
+on W1, whose peak is where backward ends, only the last made first meets checkpointing's
+peak; on HF Llama only the first made first. ``auto`` recomputes those that fit into
+its tolerance.
 
 The kept plan's ``stage_seconds`` carry the seconds spent splitting and planning the splits
 not kept (``"search"``).

@@ -3,12 +3,14 @@
 The partitioner's knapsack (a recompute level) and whole checkpointed blocks recompute
 what they choose, weighing bytes, not the plan. Once a split is planned, the plan shows
 what each saved storage costs: kept, it holds its bytes to backward; moved, it costs the
-copy queues' time, and compute's where they cannot keep up; computed again, it costs
-its producer's time in backward, as the cost model prices that node. The joint search
-(joint.py) asks for the storages cheapest to compute again per byte, as many as a
-shortfall or the moves' slowdown calls for and the time allows, and plans the split with
-those recomputed: the simulation of that split weighs the three choices together, what
-the partitioner must save instead included.
+copy queues' time, and compute's where they cannot keep up; computed again, it costs the
+time of its producer and of the nodes between it and what the split saves, as the cost
+model prices them. Those nodes are marked with it: marked alone, it would leave the
+partitioner free to save one of them in its place (a norm's output reads an upcast the
+split does not save). The joint search (joint.py) asks for the storages cheapest to
+compute again per byte, as many as a shortfall or the moves' slowdown calls for and the
+time allows, and plans the split with those recomputed: the simulation of that split
+weighs the three choices together.
 """
 
 from __future__ import annotations
