@@ -45,8 +45,9 @@ computed from (:mod:`offload_pass.recomputation`), those cheapest per byte freed
 many as its plan moves and misses by, in rounds, before it tries the blocks. Values of
 one price (the same op in every block) are taken in two orders, each in its own rounds:
 on W1, whose peak is where backward ends, only the last made first meets checkpointing's
-peak; on HF Llama only the first made first. ``auto`` recomputes those that fit into
-its tolerance.
+peak; on HF Llama the first made first meets it faster. Each round takes a share
+(``VALUE_STEP``) of what is left to free. ``auto`` recomputes those that fit into its
+tolerance.
 
 The kept plan's ``stage_seconds`` carry the seconds spent splitting and planning the splits
 not kept (``"search"``).
@@ -79,6 +80,13 @@ RECOMPUTE_LEVELS = (0.8, 0.6, 0.4, 0.2)
 
 VALUE_ROUNDS = 3
 """How many times a budget's search recomputes more values, one split each."""
+
+VALUE_STEP = 0.5
+"""The share of what a plan moves and misses the budget by that one round recomputes.
+Values computed again are held in backward, which moves the step's peak, so a round
+takes a share and the next, planned on the new split, sees what is left. Taking it all
+at once (``1.0``) planned every one of W1, W2, HF Llama and Qwen2 at checkpointing's
+peak slower on the CPU with the H200 profile (docs/design.md)."""
 
 Partition = Callable[[Split], ChunkGraphs]
 """The chunk's forward and backward graphs, split as asked."""
@@ -240,10 +248,10 @@ def _rounds(
 ) -> PlannedChunk:
     """The fastest plan meeting the budget, else the nearest, of up to ``VALUE_ROUNDS``
     splits, each ``planned``'s or the last one's with more values recomputed: those first
-    in ``order``, kept or moved, until their bytes reach what the last plan moves and
-    misses the budget by, in no more time than its moves add to its step (any, where it
-    misses the budget). The rounds stop at a plan neither nearer the budget nor faster
-    than the last."""
+    in ``order``, kept or moved, until their bytes reach ``VALUE_STEP`` of what the last
+    plan moves and misses the budget by, in no more time than its moves add to its step
+    (any, where it misses the budget). The rounds stop at a plan neither nearer the
+    budget nor faster than the last."""
     best = planned
     for _ in range(VALUE_ROUNDS):
         chunk = planned.planned
@@ -251,7 +259,8 @@ def _rounds(
         moved = sum(d.group.nbytes for d in chunk.decisions if d.moved)
         slowdown = prediction.step_seconds - prediction.baseline_seconds
         affordable = math.inf if chunk.budget_shortfall else slowdown
-        names = cheapest(order(recomputable(planned)), chunk.budget_shortfall + moved, affordable)
+        wanted = VALUE_STEP * (chunk.budget_shortfall + moved)
+        names = cheapest(order(recomputable(planned)), wanted, affordable)
         if not names:
             break
         recomputed = tuple(dict.fromkeys(planned.split.recomputed + names))

@@ -78,10 +78,20 @@ def _targets(graph: torch.fx.Graph) -> collections.Counter:
     return collections.Counter(n.target for n in graph.nodes if n.op == "call_function")
 
 
+def _moving_alone(compiler: str):
+    """The plan of the stock split under the same budget and copies, nothing recomputed."""
+    model, _, backend = compiled_pair(
+        models.BlockStack, compiler, memory_budget=BUDGET, profile=SLOW_COPIES, recompute_budget=1.0
+    )
+    train_step(model, torch.randn(*BATCH))
+    (plan,) = backend.plans
+    return plan
+
+
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
-def test_values_recomputed_in_place_of_slow_moves_train_as_the_stock_compile(
-    values_alone, compiler
-):
+def test_values_recomputed_in_place_of_slow_moves_train_as_the_stock_compile(monkeypatch, compiler):
+    stock = _moving_alone(compiler)
+    _search_values_alone(monkeypatch)
     plan, steps, expected = _plan_under_slow_copies(compiler)
     assert plan.recomputed_nodes
     assert not plan.planned.budget_shortfall
@@ -91,9 +101,6 @@ def test_values_recomputed_in_place_of_slow_moves_train_as_the_stock_compile(
     assert saved.isdisjoint(plan.recomputed_nodes)
     # the ops that made the values the stock split saves run again in backward, once
     # more than in the stock split's
-    model, _, backend = compiled_pair(models.BlockStack, compiler, fraction=0.0)
-    train_step(model, torch.randn(*BATCH))
-    (stock,) = backend.plans
     saved_by_stock = {d.group.root for d in stock.decisions}
     forward = {n.name: n.target for n in plan.forward.graph.nodes}
     recomputed_ops = {forward[name] for name in plan.recomputed_nodes if name in saved_by_stock}
@@ -105,11 +112,7 @@ def test_values_recomputed_in_place_of_slow_moves_train_as_the_stock_compile(
 
 
 def test_recomputing_values_is_faster_than_moving_alone_when_copies_are_slow(monkeypatch):
-    model, _, backend = compiled_pair(
-        models.BlockStack, "eager", memory_budget=BUDGET, profile=SLOW_COPIES, recompute_budget=1.0
-    )
-    train_step(model, torch.randn(*BATCH))
-    (moving_alone,) = backend.plans
+    moving_alone = _moving_alone("eager")
     _search_values_alone(monkeypatch)
     plan, _, _ = _plan_under_slow_copies("eager")
     assert not moving_alone.recomputed_nodes
