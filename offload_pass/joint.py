@@ -238,13 +238,20 @@ def _values_recomputed_for_budget(
     """The fastest plan meeting the budget, else the nearest, of the rounds of values
     recomputed taking equals first made first and last made first: which leaves the
     lower peak depends on where the step peaks (``recomputation.last_made_first``)."""
+    tried: dict[Split, PlannedChunk] = {}
+
+    def plan_once(split: Split) -> PlannedChunk:
+        # without ties the two orders choose alike: a split is partitioned once
+        if split not in tried:
+            tried[split] = plan_at(split, in_bytes)
+        return tried[split]
+
     orders = (first_made_first, last_made_first)
-    rounds = (_rounds(plan_at, in_bytes, planned, order) for order in orders)
-    return min(rounds, key=_shortfall_then_step)
+    return min((_rounds(plan_once, planned, order) for order in orders), key=_shortfall_then_step)
 
 
 def _rounds(
-    plan_at: PlanAt, in_bytes: OffloadOptions, planned: PlannedChunk, order: Order
+    plan: Callable[[Split], PlannedChunk], planned: PlannedChunk, order: Order
 ) -> PlannedChunk:
     """The fastest plan meeting the budget, else the nearest, of up to ``VALUE_ROUNDS``
     splits, each ``planned``'s or the last one's with more values recomputed: those first
@@ -264,7 +271,7 @@ def _rounds(
         if not names:
             break
         recomputed = tuple(dict.fromkeys(planned.split.recomputed + names))
-        tried = plan_at(dataclasses.replace(planned.split, recomputed=recomputed), in_bytes)
+        tried = plan(dataclasses.replace(planned.split, recomputed=recomputed))
         if not _nearer_or_faster(tried, planned):
             break
         best = min(best, tried, key=_shortfall_then_step)

@@ -56,11 +56,11 @@ def recomputable(planned: PlannedChunk) -> tuple[Recomputable, ...]:
     found = []
     for decision in decisions:
         group = decision.group
+        if group.fixed_reason is not None or group.nbytes <= 0:
+            continue
         members = [nodes[name] for name in dict.fromkeys((group.root, *group.members))]
         needed = _computation(nodes[group.root], saved)
-        if group.fixed_reason is not None or group.nbytes <= 0 or needed is None:
-            continue
-        if not all(_computable_again(node) for node in members):
+        if needed is None or not all(_computable_again(node) for node in members):
             continue
         marked = tuple(dict.fromkeys(node.name for node in (*members, *needed)))
         cost = sum(seconds[index[node]] for node in needed if node.name not in already)
