@@ -470,7 +470,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     device = torch.device(args.device)
     hardware = compare.Hardware.measured(device)
     results = compare.new_results(hardware)
-    stem = compare.results_stem(args.out, results, "zoo")
+    # named by its models: a second run into the same folder keeps the first one's files
+    stem = compare.results_stem(args.out, results, "-".join(["zoo", *args.models]))
     for name in args.models:
         runs = [(name, whole_configs())] if "whole" in args.compilations else []
         blocks = MODELS[name].blocks

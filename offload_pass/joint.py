@@ -288,7 +288,21 @@ def _nearer_or_faster(planned: PlannedChunk, than: PlannedChunk) -> bool:
 def _fewest(most: int, enough: Callable[[int], bool]) -> int | None:
     """The fewest of 1 to ``most`` that is ``enough``, by halving (each count more is
     taken to be as much enough); None where ``most`` is not."""
-    short, enough_at = 0, most + 1
+    return _halved(enough, 0, most + 1, most)
+
+
+def _fewest_counting_up(most: int, enough: Callable[[int], bool]) -> int | None:
+    """As :func:`_fewest`, trying 1, 2, 4, ... before halving: fewer tries where the
+    fewest is small (or where 1 is enough, one)."""
+    short, count = 0, 1
+    while count <= most and not enough(count):
+        short, count = count, 2 * count
+    return _halved(enough, short, min(count, most + 1), most)
+
+
+def _halved(enough: Callable[[int], bool], short: int, enough_at: int, most: int) -> int | None:
+    """The fewest past ``short`` (not enough) that is ``enough``, ``enough_at`` at most
+    (``most + 1``: not known to be)."""
     while enough_at - short > 1:
         count = (short + enough_at) // 2
         if enough(count):
@@ -343,15 +357,16 @@ def _most_checkpointing_in_time(
     plan_at: PlanAt, options: OffloadOptions, blocks: tuple[str, ...], slowest: float
 ) -> PlannedChunk | None:
     """Of the plans checkpointing the last blocks within ``slowest``, the lowest peak
-    among those made in halving to the fewest blocks past ``slowest`` (each block more
-    recomputes more); None where none is within it."""
+    among those made in looking for the fewest blocks past ``slowest`` (each block more
+    recomputes more), counting up from one: within a small tolerance, one block is often
+    past it already; None where none is within it."""
     planned: dict[int, PlannedChunk] = {}
 
     def too_slow(count: int) -> bool:
         planned[count] = plan_at(_checkpointing(blocks, count, options))
         return planned[count].planned.prediction.step_seconds > slowest
 
-    _fewest(len(blocks), too_slow)
+    _fewest_counting_up(len(blocks), too_slow)
     in_time = [p for p in planned.values() if p.planned.prediction.step_seconds <= slowest]
     return min(in_time, key=_peak, default=None)
 

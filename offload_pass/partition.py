@@ -4,9 +4,10 @@ AOTAutograd call a partitioner."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch.fx
@@ -56,12 +57,30 @@ def stock_splits(
 
     def partition_under(split: Split) -> ChunkGraphs:
         if next(splits_made):
-            gc.collect()  # what the splits before left behind (OffloadPartitioner.__call__)
+            gc.collect()  # what the splits before left behind (compile_frozen)
         graphs = stock(split)
         held = held_recomputations(graphs, _compat.realize_reads_threshold())
         return stock(split, held) if held else graphs
 
     return partition_under
+
+
+@contextlib.contextmanager
+def compile_frozen() -> Iterator[None]:
+    """The objects alive when opened left out of garbage collections while open
+    (``gc.freeze``). A deep model's compile holds over a million objects, and a full
+    collection walks them all; a budget's search collects before each split after the
+    first, when the splits it dropped (cyclic FX graphs) are garbage, and so walks only
+    what the pass made. Where objects were frozen before, they stay so and nothing more
+    is frozen (``gc.unfreeze`` would free them too)."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 class OffloadPartitioner(_compat.PartitionerBase):
@@ -84,11 +103,9 @@ class OffloadPartitioner(_compat.PartitionerBase):
     def __call__(
         self, joint: torch.fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
     ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
-        # A deep model's compile holds over a million objects, and each full collection
-        # walks them all: deferred while the pass runs, and made once before each level a
-        # budget's search splits after the first, when the splits it dropped (cyclic FX
-        # graphs) are garbage.
-        with _compat.full_collections_deferred():
+        # full collections deferred while the pass runs; the search's own walk only what
+        # the pass made (compile_frozen)
+        with _compat.full_collections_deferred(), compile_frozen():
             search = search_space(self.options, joint, kwargs["num_fwd_outputs"])
             pricing = recompute_pricing(self.options, joint)
             partition = stock_splits(joint, joint_inputs, pricing, **kwargs)

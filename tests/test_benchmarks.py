@@ -338,7 +338,7 @@ def test_zoo_harness_runs_a_tiny_model_on_the_cpu(tmp_path):
         **dict.fromkeys([*configs, "checkpoint blocks"], "ok"),
         fitted: "needs a CUDA device",
     }
-    (written,) = tmp_path.glob("*-zoo.json")
+    (written,) = tmp_path.glob("*-zoo-llama.json")
     assert json.loads(written.read_text())["workloads"].keys() == results["workloads"].keys()
 
 

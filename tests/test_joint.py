@@ -50,6 +50,37 @@ def test_a_budget_moving_meets_only_slowly_is_met_faster_by_recomputing():
     assert list(joint.stage_seconds)[-2:] == ["search", "rewrite"]
 
 
+def test_the_search_splits_with_the_compiles_objects_frozen(monkeypatch):
+    """The collection before each split after the first walks only what the pass made;
+    afterwards nothing stays frozen, and objects a caller froze stay frozen."""
+    import gc
+
+    from offload_pass import partition
+
+    frozen_at_splits = []
+    stock_splits = partition.stock_splits
+
+    def recording(*args, **kwargs):
+        split = stock_splits(*args, **kwargs)
+
+        def partition_under(chosen):
+            frozen_at_splits.append(gc.get_freeze_count())
+            return split(chosen)
+
+        return partition_under
+
+    monkeypatch.setattr(partition, "stock_splits", recording)
+    _plan(memory_budget=BUDGET, profile=SLOW_COPIES)
+    assert len(frozen_at_splits) > 1 and all(frozen_at_splits)
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        _plan(memory_budget=BUDGET, profile=SLOW_COPIES)
+        assert gc.get_freeze_count() > 0  # unfrozen, there would be none
+    finally:
+        gc.unfreeze()
+
+
 def test_a_budget_no_split_meets_is_planned_once_and_warned_once():
     """A share that rounds to no bytes at all: every split misses it, the search goes on
     in bytes, and the kept plan alone warns."""
@@ -230,6 +261,24 @@ def test_auto_keeps_the_stock_split_where_recomputing_lowers_no_peak(monkeypatch
     }
     kept, _ = _search(monkeypatch, splits, **AUTO_SEARCH)
     assert kept.split.recompute_budget is None
+
+
+@pytest.mark.parametrize("most", [1, 2, 5, 8, 13])
+def test_counting_up_finds_the_fewest_that_halving_finds(most):
+    for fewest in range(1, most + 2):  # most + 1: none is enough
+        tries = []
+
+        def enough(count, fewest=fewest, tries=tries):
+            tries.append(count)
+            return count >= fewest
+
+        found = joint_search._fewest_counting_up(most, enough)
+        assert found == joint_search._fewest(most, enough)
+        assert found == (fewest if fewest <= most else None)
+        assert set(tries) <= set(range(1, most + 1))
+    tries = []
+    joint_search._fewest_counting_up(most, lambda count: tries.append(count) or True)
+    assert tries == [1]  # one block enough: one try
 
 
 def test_auto_searches_the_splits_only_where_asked():
