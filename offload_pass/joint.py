@@ -291,18 +291,18 @@ def _fewest(most: int, enough: Callable[[int], bool]) -> int | None:
     return _halved(enough, 0, most + 1, most)
 
 
-def _fewest_counting_up(most: int, enough: Callable[[int], bool]) -> int | None:
-    """As :func:`_fewest`, trying 1, 2, 4, ... before halving: fewer tries where the
-    fewest is small (or where 1 is enough, one)."""
-    short, count = 0, 1
-    while count <= most and not enough(count):
-        short, count = count, 2 * count
-    return _halved(enough, short, min(count, most + 1), most)
+def _fewest_one_first(most: int, enough: Callable[[int], bool]) -> int | None:
+    """As :func:`_fewest`, trying 1 first: one try where 1 is enough, one more than
+    halving where it is not."""
+    if most >= 1 and enough(1):
+        return 1
+    return _halved(enough, min(most, 1), most + 1, most)
 
 
 def _halved(enough: Callable[[int], bool], short: int, enough_at: int, most: int) -> int | None:
-    """The fewest past ``short`` (not enough) that is ``enough``, ``enough_at`` at most
-    (``most + 1``: not known to be)."""
+    """The fewest count that is ``enough``, by halving between ``short`` (known not to be)
+    and ``enough_at`` (known to be, or ``most + 1`` where none is known); None where none
+    up to ``most`` is."""
     while enough_at - short > 1:
         count = (short + enough_at) // 2
         if enough(count):
@@ -358,15 +358,15 @@ def _most_checkpointing_in_time(
 ) -> PlannedChunk | None:
     """Of the plans checkpointing the last blocks within ``slowest``, the lowest peak
     among those made in looking for the fewest blocks past ``slowest`` (each block more
-    recomputes more), counting up from one: within a small tolerance, one block is often
-    past it already; None where none is within it."""
+    recomputes more), trying one first: within a small tolerance, one block is often past
+    it already; None where none is within it."""
     planned: dict[int, PlannedChunk] = {}
 
     def too_slow(count: int) -> bool:
         planned[count] = plan_at(_checkpointing(blocks, count, options))
         return planned[count].planned.prediction.step_seconds > slowest
 
-    _fewest_counting_up(len(blocks), too_slow)
+    _fewest_one_first(len(blocks), too_slow)
     in_time = [p for p in planned.values() if p.planned.prediction.step_seconds <= slowest]
     return min(in_time, key=_peak, default=None)
 

@@ -263,22 +263,23 @@ def test_auto_keeps_the_stock_split_where_recomputing_lowers_no_peak(monkeypatch
     assert kept.split.recompute_budget is None
 
 
+def _searched(search, most: int, fewest: int) -> tuple[int | None, list[int]]:
+    """What ``search`` finds among 1 to ``most`` where ``fewest`` and more are enough, and
+    the counts it tried."""
+    tries: list[int] = []
+    found = search(most, lambda count: tries.append(count) or count >= fewest)
+    return found, tries
+
+
 @pytest.mark.parametrize("most", [1, 2, 5, 8, 13])
-def test_counting_up_finds_the_fewest_that_halving_finds(most):
+def test_trying_one_first_finds_the_fewest_that_halving_finds(most):
     for fewest in range(1, most + 2):  # most + 1: none is enough
-        tries = []
-
-        def enough(count, fewest=fewest, tries=tries):
-            tries.append(count)
-            return count >= fewest
-
-        found = joint_search._fewest_counting_up(most, enough)
-        assert found == joint_search._fewest(most, enough)
-        assert found == (fewest if fewest <= most else None)
-        assert set(tries) <= set(range(1, most + 1))
-    tries = []
-    joint_search._fewest_counting_up(most, lambda count: tries.append(count) or True)
-    assert tries == [1]  # one block enough: one try
+        found, one_first = _searched(joint_search._fewest_one_first, most, fewest)
+        halved, halving = _searched(joint_search._fewest, most, fewest)
+        assert found == halved == (fewest if fewest <= most else None)
+        assert one_first[0] == 1 and set(one_first) <= set(range(1, most + 1))
+        assert len(one_first) <= len(halving) + 1
+    assert _searched(joint_search._fewest_one_first, most, 1) == (1, [1])  # one try
 
 
 def test_auto_searches_the_splits_only_where_asked():
