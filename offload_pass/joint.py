@@ -288,7 +288,7 @@ def _nearer_or_faster(planned: PlannedChunk, than: PlannedChunk) -> bool:
 def _fewest(most: int, enough: Callable[[int], bool]) -> int | None:
     """The fewest of 1 to ``most`` that is ``enough``, by halving (each count more is
     taken to be as much enough); None where ``most`` is not."""
-    return _halved(enough, 0, most + 1, most)
+    return _halved(enough, 0, most)
 
 
 def _fewest_one_first(most: int, enough: Callable[[int], bool]) -> int | None:
@@ -296,13 +296,13 @@ def _fewest_one_first(most: int, enough: Callable[[int], bool]) -> int | None:
     halving where it is not."""
     if most >= 1 and enough(1):
         return 1
-    return _halved(enough, min(most, 1), most + 1, most)
+    return _halved(enough, min(most, 1), most)
 
 
-def _halved(enough: Callable[[int], bool], short: int, enough_at: int, most: int) -> int | None:
-    """The fewest count that is ``enough``, by halving between ``short`` (known not to be)
-    and ``enough_at`` (known to be, or ``most + 1`` where none is known); None where none
-    up to ``most`` is."""
+def _halved(enough: Callable[[int], bool], short: int, most: int) -> int | None:
+    """The fewest of ``short + 1`` to ``most`` that is ``enough`` (``short``: known not
+    to be), by halving; None where ``most`` is not."""
+    enough_at = most + 1
     while enough_at - short > 1:
         count = (short + enough_at) // 2
         if enough(count):
@@ -358,8 +358,8 @@ def _most_checkpointing_in_time(
 ) -> PlannedChunk | None:
     """Of the plans checkpointing the last blocks within ``slowest``, the lowest peak
     among those made in looking for the fewest blocks past ``slowest`` (each block more
-    recomputes more), trying one first: within a small tolerance, one block is often past
-    it already; None where none is within it."""
+    recomputes more), trying one first: within a small tolerance, one block can be past it
+    already; None where none is within it."""
     planned: dict[int, PlannedChunk] = {}
 
     def too_slow(count: int) -> bool:
