@@ -29,6 +29,7 @@ from offload_pass import _compat
 from offload_pass.graphs import (
     ChunkGraphs,
     aliases,
+    consumers,
     fused_kernels,
     is_fusible,
     is_view,
@@ -201,13 +202,24 @@ def _memory_events(
     # tangents are the caller's.
     tangents = {n for n in backward if n.op == "placeholder" and n not in received}
     dying: dict[int, list[torch.fx.Node]] = {}  # the storages each position reads last
-    for storage, at in last_use.items():
-        if storage in start and storage not in tangents:
-            dying.setdefault(at, []).append(storage)
+    for root, at in last_use.items():
+        if root in start and root not in tangents:
+            dying.setdefault(at, []).append(root)
+    # backward reads a saved value through the inputs that receive it, not forward's nodes
+    received_as: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for given in received:
+        received_as.setdefault(storage(given), []).append(given)
+
+    def writes_in_place(root: torch.fx.Node, donor: torch.fx.Node, at: int) -> bool:
+        read_as = received_as.get(donor, [donor]) if at >= len(forward) else [donor]
+        return all(_writes_in_place(root, d, fused, kernels) for d in read_as)
+
     in_place: dict[torch.fx.Node, torch.fx.Node] = {}  # each writer, and its donor
     for root, at in start.items():
-        dead = (d for d in dying.get(at, ()) if start[d] < at)  # not one the kernel writes
-        donors = (d for d in dead if _writes_in_place(root, d, fused, kernels))
+        # not one the kernel writes, nor one another of its values took
+        taken = in_place.values()
+        dead = (d for d in dying.get(at, ()) if start[d] < at and d not in taken)
+        donors = (d for d in dead if writes_in_place(root, d, at))
         donor = next(donors, None)
         if donor is not None:
             nbytes = tensor_bytes(root.meta.get("val"))
@@ -227,11 +239,49 @@ def _kernel_positions(
 ) -> dict[torch.fx.Node, int]:
     """Where the kernel writing each fused node runs: at its last node, once every input
     of every value it writes is there (values fused side by side, one before a matrix
-    product the other waits for, are both written after it)."""
+    product the other waits for, are both written after it), but before a kernel that
+    cannot fuse reads one of its values, where every input is there by then (an
+    activation computed again beside its gradient is written before the product of the
+    weight's gradient that reads it, and held through it)."""
     last: dict[torch.fx.Node, int] = {}
+    ready: dict[torch.fx.Node, int] = {}
+    first_read: dict[torch.fx.Node, int] = {}
+    inputs_at: dict[torch.fx.Node, int] = {}
     for node, kernel in fused.items():
         last[kernel] = max(last.get(kernel, 0), position[node])
-    return {node: last[kernel] for node, kernel in fused.items()}
+        ready[kernel] = max(
+            ready.get(kernel, 0), _inputs_written_at(node, fused, position, inputs_at)
+        )
+        for reader in consumers(node):
+            if reader.op == "call_function" and not is_fusible(reader) and reader in position:
+                first_read[kernel] = min(first_read.get(kernel, len(position)), position[reader])
+    runs = {
+        kernel: first_read[kernel] - 1 if ready[kernel] <= first_read.get(kernel, 0) - 1 < at else at
+        for kernel, at in last.items()
+    }
+    return {node: runs[kernel] for node, kernel in fused.items()}
+
+
+def _inputs_written_at(
+    node: torch.fx.Node,
+    fused: dict[torch.fx.Node, torch.fx.Node],
+    position: dict[torch.fx.Node, int],
+    known: dict[torch.fx.Node, int],
+) -> int:
+    """The position of the last value in memory that computing ``node`` reads: through
+    the views and fused values it reads, down to written values and inputs."""
+    if node not in known:
+        at = 0
+        for read in node.all_input_nodes:
+            written = read in fused or read.op == "placeholder"
+            at = max(
+                at,
+                position.get(read, 0)
+                if written
+                else _inputs_written_at(read, fused, position, known),
+            )
+        known[node] = at
+    return known[node]
 
 
 def _reuse_holds(

@@ -307,13 +307,15 @@ def _backward_gated(y, tangent):
 
 
 def test_a_kernels_values_are_written_where_it_runs_after_the_products_it_waits_on():
-    """h is fused with dh's two products: all three are written once dh is there."""
+    """h is fused with dh's two products: all three are written once dh is there, and
+    before the product that reads h (``mm_4``), which comes before the last of them."""
     chunk = _chunk(backward_fn=_backward_gated)
     costs = estimate_costs(chunk, PROFILE)
     offset = len(chunk.forward.graph.nodes)
     at = {n.name: offset + i for i, n in enumerate(chunk.backward.graph.nodes)}
-    assert costs.allocated[at["mul"]] == 0  # h
-    assert costs.allocated[at["mul_2"]] == 3 * 8 * 8 * 4  # dh * gate.sigmoid(), last
+    assert costs.allocated[at["mul"]] == costs.allocated[at["mul_2"]] == 0
+    # dh, and the kernel's three values less one written into an input it reads last
+    assert costs.allocated[at["mm_3"]] == 8 * 8 * 4 + 2 * 8 * 8 * 4
 
 
 def _gradient_and_sums(g, w):
