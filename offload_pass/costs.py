@@ -183,11 +183,12 @@ def _memory_events(
             start[node] = runs_at(node)
         for arg in node.all_input_nodes:
             used = storage(arg)
-            if used is None:
-                continue
-            kept = node.op == "output" and (node is backward[-1] or arg in user_outputs)
-            if node.op != "output" or kept:
-                last_use[used] = max(last_use.get(used, 0), end if kept else read_at(node))
+            if used is None or (node is forward[-1] and arg not in user_outputs):
+                continue  # a saved value lives until backward's last read of it
+            # backward's results are the caller's; forward's own outputs live until forward
+            # returns, the caller dropping them before backward (see docs/design.md)
+            held_to = end if node is backward[-1] else read_at(node)
+            last_use[used] = max(last_use.get(used, 0), held_to)
 
     for root, at in start.items():  # a reader placed before the kernel runs after it
         last_use[root] = max(at, last_use.get(root, at))

@@ -91,14 +91,33 @@ def test_memory_timeline_follows_each_storage_from_producer_to_last_use():
     # forward: x, w, mm, relu, sum, output; backward: y, tangent, mul, output.
     costs = estimate_costs(_chunk(), PROFILE)
     assert costs.resident_bytes == 6 * 4 * 4 + 4 * 8 * 4
-    # relu fuses into sum and takes no memory; the tangent dies after mul; y dies at mul,
-    # which writes the gradient into y's storage (as large, same dtype); sum (a user
-    # output) and the gradient (a backward output) are kept to the end.
+    # relu fuses into sum and takes no memory; sum (a user output) lives until forward
+    # returns; the tangent dies after mul; y dies at mul, which writes the gradient into
+    # y's storage (as large, same dtype); the gradient (a backward output) is kept.
     assert costs.allocated == (0, 0, 192, 0, 4, 0, 0, 4, 0, 0)
-    assert costs.freed == (0, 0, 0, 0, 0, 0, 0, 0, 4, 4 + 192)
+    assert costs.freed == (0, 0, 0, 0, 0, 4, 0, 0, 4, 192)
     assert costs.backward_inputs == 2
-    # the peak is while mul runs: y (then the gradient), the loss and the tangent are live
-    assert peak_bytes(costs, ()) == costs.resident_bytes + 192 + 4 + 4
+    # the peak is while sum runs and while mul runs: y (then the gradient) and the loss,
+    # then the tangent
+    assert peak_bytes(costs, ()) == costs.resident_bytes + 192 + 4
+
+
+def _forward_doubling(x, w):
+    y = torch.mm(x, w)
+    return y * 2, y
+
+
+def test_a_user_output_is_held_until_forward_returns_not_through_backward():
+    """The caller drops forward's outputs before backward (a loss read off the model's
+    output, a graph break's values passed on): backward holds y and the output's tangent,
+    not the output beside them."""
+    chunk = _chunk(forward_fn=_forward_doubling, tangent_shape=(6, 8))
+    costs = estimate_costs(chunk, PROFILE)
+    doubled = _position(chunk, chunk.forward.graph, torch.ops.aten.mul.Tensor)
+    returns = len(chunk.forward.graph.nodes) - 1
+    assert costs.allocated[doubled] == 192
+    assert costs.freed[returns] == 192
+    assert peak_bytes(costs, ()) == costs.resident_bytes + 2 * 192
 
 
 def _forward_adding(x, w):
@@ -125,7 +144,7 @@ def test_a_fused_kernel_writes_into_a_same_sized_input_it_reads_for_the_last_tim
     costs = estimate_costs(chunk, PROFILE)
     add = _position(chunk, chunk.forward.graph, torch.ops.aten.add.Tensor)
     assert (costs.allocated[add], costs.freed[add]) == (0, 0)
-    assert peak_bytes(costs, ()) == costs.resident_bytes + 192 + 4 + 4
+    assert peak_bytes(costs, ()) == costs.resident_bytes + 192 + 4  # z, and the loss or tangent
 
 
 def _forward_reusing(x, w):
