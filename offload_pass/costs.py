@@ -244,45 +244,43 @@ def _kernel_positions(
     cannot fuse reads one of its values, where every input is there by then (an
     activation computed again beside its gradient is written before the product of the
     weight's gradient that reads it, and held through it)."""
+    inputs_at = _inputs_written_at(position, fused)
     last: dict[torch.fx.Node, int] = {}
     ready: dict[torch.fx.Node, int] = {}
     first_read: dict[torch.fx.Node, int] = {}
-    inputs_at: dict[torch.fx.Node, int] = {}
     for node, kernel in fused.items():
         last[kernel] = max(last.get(kernel, 0), position[node])
-        ready[kernel] = max(
-            ready.get(kernel, 0), _inputs_written_at(node, fused, position, inputs_at)
-        )
-        for reader in consumers(node):
-            if reader.op == "call_function" and not is_fusible(reader) and reader in position:
-                first_read[kernel] = min(first_read.get(kernel, len(position)), position[reader])
-    runs = {
-        kernel: first_read[kernel] - 1 if ready[kernel] <= first_read.get(kernel, 0) - 1 < at else at
-        for kernel, at in last.items()
-    }
+        ready[kernel] = max(ready.get(kernel, 0), inputs_at[node])
+        unfused_reads = [
+            position[r] for r in consumers(node) if r.op == "call_function" and not is_fusible(r)
+        ]
+        first_read[kernel] = min([first_read.get(kernel, len(position)), *unfused_reads])
+    runs = {k: _run_position(last[k], ready[k], first_read[k] - 1) for k in last}
     return {node: runs[kernel] for node, kernel in fused.items()}
 
 
+def _run_position(last: int, ready: int, before_first_read: int) -> int:
+    """A kernel's position: just before a kernel that cannot fuse reads one of its
+    values, where that is before its last node and its inputs are there, else its last."""
+    return before_first_read if ready <= before_first_read < last else last
+
+
 def _inputs_written_at(
-    node: torch.fx.Node,
-    fused: dict[torch.fx.Node, torch.fx.Node],
-    position: dict[torch.fx.Node, int],
-    known: dict[torch.fx.Node, int],
-) -> int:
-    """The position of the last value in memory that computing ``node`` reads: through
-    the views and fused values it reads, down to written values and inputs."""
-    if node not in known:
-        at = 0
-        for read in node.all_input_nodes:
-            written = read in fused or read.op == "placeholder"
-            at = max(
-                at,
-                position.get(read, 0)
-                if written
-                else _inputs_written_at(read, fused, position, known),
-            )
-        known[node] = at
-    return known[node]
+    position: dict[torch.fx.Node, int], fused: dict[torch.fx.Node, torch.fx.Node]
+) -> dict[torch.fx.Node, int]:
+    """For each node (``position``'s keys, in order), the position of the last value in
+    memory that computing it reads: through the views and fused values it reads, down to
+    written values and inputs."""
+    at: dict[torch.fx.Node, int] = {}
+    for node in position:
+        at[node] = max(
+            (
+                position[read] if read in fused or read.op == "placeholder" else at[read]
+                for read in node.all_input_nodes
+            ),
+            default=0,
+        )
+    return at
 
 
 def _reuse_holds(
