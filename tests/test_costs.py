@@ -207,6 +207,19 @@ def test_a_kernel_with_two_results_writes_neither_into_the_input_both_read():
     assert costs.allocated[sin] + costs.allocated[cos] == 2 * 192
 
 
+def _backward_sin_and_cos(y, tangent):
+    return y.sin() * tangent, y.cos() * tangent  # one kernel, two results, both reading y
+
+
+def test_a_backward_kernel_with_two_results_writes_neither_into_the_saved_value_both_read():
+    """Backward reads a saved value through the input that receives it: its readers
+    there, not forward's, decide whether a kernel may write into it."""
+    chunk = _chunk(backward_fn=_backward_sin_and_cos)
+    costs = estimate_costs(chunk, PROFILE)
+    backward_starts = len(chunk.forward.graph.nodes)
+    assert sum(costs.allocated[backward_starts:]) == 4 + 2 * 192  # the tangent, both results
+
+
 @pytest.mark.parametrize("forward_fn", [_forward_transposing, _forward_to_int])
 def test_no_kernel_writes_into_an_input_read_out_of_order_or_of_another_dtype(forward_fn):
     chunk = _chunk(forward_fn)
