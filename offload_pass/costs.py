@@ -48,10 +48,14 @@ from offload_pass.timing import NodeTimer, SettledTimer
 class ChunkCosts:
     """Per position: seconds of each forward and backward node, and kernels the host
     issues there (``forward_launches``/``backward_launches``, 0 or 1); bytes
-    ``allocated`` when it runs and ``freed`` after it. ``backward_inputs``: backward's
-    leading placeholders. ``forward_names``/``backward_names``: the node at each
-    position. ``kernel_slowdown``: what the kernels timed on the device were scaled by,
-    their chunk's settled slowdown (1 where none was timed so)."""
+    ``allocated`` when it runs and ``freed`` after it. ``returned_bytes``: what forward
+    returns that backward does not read, freed where forward returns but held between
+    forward and backward by the caller where other forwards are in flight (a pipeline
+    stage's outputs kept for their backward, a block's output the next block saves).
+    ``backward_inputs``: backward's leading placeholders. ``forward_names``/
+    ``backward_names``: the node at each position. ``kernel_slowdown``: what the kernels
+    timed on the device were scaled by, their chunk's settled slowdown (1 where none was
+    timed so)."""
 
     profile: DeviceProfile
     forward_seconds: tuple[float, ...]
@@ -65,6 +69,7 @@ class ChunkCosts:
     forward_names: tuple[str, ...] = ()
     backward_names: tuple[str, ...] = ()
     kernel_slowdown: float = 1.0
+    returned_bytes: int = 0
 
     @property
     def num_forward(self) -> int:
@@ -143,7 +148,15 @@ def estimate_costs(
         forward_names=tuple(n.name for n in forward),
         backward_names=tuple(n.name for n in backward),
         kernel_slowdown=timer.slowdown if isinstance(timer, SettledTimer) else 1.0,
+        returned_bytes=_returned_bytes(chunk),
     )
+
+
+def _returned_bytes(chunk: ChunkGraphs) -> int:
+    """The bytes of the storages forward returns and backward does not read."""
+    read_in_backward = {storage_root(v) for v in chunk.saved_values_by_input().values()}
+    returned = {storage_root(n) for n in chunk.user_outputs()} - read_in_backward
+    return sum(tensor_bytes(r.meta.get("val")) for r in returned if r.op != "placeholder")
 
 
 def _memory_events(

@@ -260,8 +260,9 @@ class MemoryTimeline:
 
     The peak counts ``in_flight - 1`` other forwards of the chunk done and their
     backwards pending (a pipeline stage's warm-up, blocks compiled each on their own),
-    each holding what this one holds between its forward and backward, less its
-    released storages: their copies end under the next forward's compute. So while
+    each holding what this one holds between its forward and backward (what it returns
+    among it, ``ChunkCosts.returned_bytes``), less its released storages: their copies
+    end under the next forward's compute. So while
     this forward runs, the forward before it still holds its released storages (counted
     over all of this forward: their copies end somewhere in it). This one's own released
     storages count as held throughout: it may be the last forward before its backward,
@@ -285,7 +286,7 @@ class MemoryTimeline:
             live[: costs.num_forward] = [b + released for b in live[: costs.num_forward]]
         self.live = RangeAddMax(live)
         self.top = max(live, default=0)
-        self.held_between = held[costs.num_forward] - released
+        self.held_between = held[costs.num_forward] - released + costs.returned_bytes
         self.resident = costs.resident_bytes
         self.in_flight = in_flight
         self.num_forward = costs.num_forward

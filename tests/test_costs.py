@@ -120,6 +120,14 @@ def test_a_user_output_is_held_until_forward_returns_not_through_backward():
     assert peak_bytes(costs, ()) == costs.resident_bytes + 2 * 192
 
 
+def test_a_user_output_is_held_by_each_other_forward_in_flight():
+    """A forward before this one, its backward pending, still holds what it returned
+    (a pipeline stage's outputs kept for their backward), besides what it saved."""
+    costs = estimate_costs(_chunk(forward_fn=_forward_doubling, tangent_shape=(6, 8)), PROFILE)
+    assert costs.returned_bytes == 192
+    assert peak_bytes(costs, (), in_flight=2) == costs.resident_bytes + 2 * 192 + 2 * 192
+
+
 def _forward_adding(x, w):
     y = torch.mm(x, w)
     z = y + 1  # y dies here
