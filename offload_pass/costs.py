@@ -11,8 +11,9 @@ fusible ones computed together share one (``graphs.fused_kernels``).
 Memory is tracked per storage: allocated where it is produced, freed after its last read
 in forward or backward, except where a fused kernel writes its result into an input it
 reads for the last time; the chunk's inputs (parameters, the batch) are resident
-throughout and backward's outputs (gradients) are kept to the end. Positions run over
-forward's nodes, then backward's.
+throughout, forward's outputs are held until forward returns (the caller drops them
+before backward, which takes their gradients), and backward's outputs (gradients) are
+kept to the end. Positions run over forward's nodes, then backward's.
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ def estimate_costs(
     forward = list(chunk.forward.graph.nodes)
     backward = list(chunk.backward.graph.nodes)
     kernels = {**fused_kernels(forward), **fused_kernels(backward)}
-    allocated, freed = _memory_events(chunk, forward, backward, kernels)
+    allocated, freed, returned_bytes = _memory_events(chunk, forward, backward, kernels)
     return ChunkCosts(
         profile=profile,
         forward_seconds=tuple(node_seconds(n, profile, timer) for n in forward),
@@ -148,15 +149,8 @@ def estimate_costs(
         forward_names=tuple(n.name for n in forward),
         backward_names=tuple(n.name for n in backward),
         kernel_slowdown=timer.slowdown if isinstance(timer, SettledTimer) else 1.0,
-        returned_bytes=_returned_bytes(chunk),
+        returned_bytes=returned_bytes,
     )
-
-
-def _returned_bytes(chunk: ChunkGraphs) -> int:
-    """The bytes of the storages forward returns and backward does not read."""
-    read_in_backward = {storage_root(v) for v in chunk.saved_values_by_input().values()}
-    returned = {storage_root(n) for n in chunk.user_outputs()} - read_in_backward
-    return sum(tensor_bytes(r.meta.get("val")) for r in returned if r.op != "placeholder")
 
 
 def _memory_events(
@@ -164,12 +158,12 @@ def _memory_events(
     forward: list[torch.fx.Node],
     backward: list[torch.fx.Node],
     fused: dict[torch.fx.Node, torch.fx.Node],
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Bytes allocated at each position, and bytes freed after it (``fused``: the first
-    node of the kernel writing each value, ``graphs.fused_kernels``)."""
+) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """Bytes allocated at each position, bytes freed after it, and the bytes forward
+    returns that backward does not read (``fused``: the first node of the kernel writing
+    each value, ``graphs.fused_kernels``)."""
     received = chunk.saved_values_by_input()
     position = {n: i for i, n in enumerate(itertools.chain(forward, backward))}
-    end = len(position) - 1
     user_outputs = set(chunk.user_outputs())
 
     def storage(node: torch.fx.Node) -> torch.fx.Node | None:
@@ -198,10 +192,9 @@ def _memory_events(
             used = storage(arg)
             if used is None or (node is forward[-1] and arg not in user_outputs):
                 continue  # a saved value lives until backward's last read of it
-            # backward's results are the caller's; forward's own outputs live until forward
-            # returns, the caller dropping them before backward (see docs/design.md)
-            held_to = end if node is backward[-1] else read_at(node)
-            last_use[used] = max(last_use.get(used, 0), held_to)
+            # what forward returns lives until it returns, the caller dropping it before
+            # backward (docs/design.md); backward's results live to the end
+            last_use[used] = max(last_use.get(used, 0), read_at(node))
 
     for root, at in start.items():  # a reader placed before the kernel runs after it
         last_use[root] = max(at, last_use.get(root, at))
@@ -212,40 +205,46 @@ def _memory_events(
         allocated[at] += nbytes
         freed[last_use[root]] += nbytes
     # A kernel may write into a storage the step allocated, a saved value among them
-    # (AOTAutograd donates those to backward), but not into backward's other inputs: the
-    # tangents are the caller's.
+    # (AOTAutograd donates those to backward), but not into backward's other inputs (the
+    # tangents are the caller's), into what forward returns (not donated), or into a saved
+    # value backward receives through a view that reorders its elements.
+    returned = {r for r in map(storage, user_outputs) if r in start}
     tangents = {n for n in backward if n.op == "placeholder" and n not in received}
+    reordered = {storage(v) for v in received.values() if not keeps_element_order(v)}
     dying: dict[int, list[torch.fx.Node]] = {}  # the storages each position reads last
     for root, at in last_use.items():
-        if root in start and root not in tangents:
+        if root in start and root not in tangents | returned | reordered:
             dying.setdefault(at, []).append(root)
-    # backward reads a saved value through the inputs that receive it, not forward's nodes
-    received_as: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    received_as: dict[torch.fx.Node, tuple[torch.fx.Node, ...]] = {}
     for given in received:
-        received_as.setdefault(storage(given), []).append(given)
+        received_as[storage(given)] = (*received_as.get(storage(given), ()), given)
 
-    def writes_in_place(root: torch.fx.Node, donor: torch.fx.Node, at: int) -> bool:
-        read_as = received_as.get(donor, [donor]) if at >= len(forward) else [donor]
-        return all(_writes_in_place(root, d, fused, kernels) for d in read_as)
+    def read_through(donor: torch.fx.Node, at: int) -> tuple[torch.fx.Node, ...]:
+        """The nodes of the graph running at ``at`` that hold ``donor``: backward reads a
+        saved value through the inputs that receive it."""
+        return received_as.get(donor, (donor,)) if at >= len(forward) else (donor,)
 
     in_place: dict[torch.fx.Node, torch.fx.Node] = {}  # each writer, and its donor
+    taken: set[torch.fx.Node] = set()
     for root, at in start.items():
-        # not one the kernel writes, nor one another of its values took
-        taken = in_place.values()
+        # not one the kernel writes, nor one another writer took
         dead = (d for d in dying.get(at, ()) if start[d] < at and d not in taken)
-        donors = (d for d in dead if writes_in_place(root, d, at))
+        donors = (d for d in dead if _writes_in_place(root, d, read_through(d, at), fused, kernels))
         donor = next(donors, None)
         if donor is not None:
             nbytes = tensor_bytes(root.meta.get("val"))
             allocated[at] -= nbytes
             freed[at] -= nbytes
             in_place[root] = donor
+            taken.add(donor)
     held = _reuse_holds(start, last_use, len(forward), in_place)
     for root, (freed_at, reused_at) in held.items():
         nbytes = tensor_bytes(root.meta.get("val"))
         freed[freed_at] -= nbytes
         allocated[reused_at] -= nbytes
-    return tuple(allocated), tuple(freed)
+    unread = (r for r in returned if last_use[r] == len(forward) - 1)  # by backward
+    returned_bytes = sum(tensor_bytes(r.meta.get("val")) for r in unread)
+    return tuple(allocated), tuple(freed), returned_bytes
 
 
 def _kernel_positions(
@@ -337,16 +336,18 @@ def _reuse_holds(
 def _writes_in_place(
     node: torch.fx.Node,
     donor: torch.fx.Node,
+    read_as: tuple[torch.fx.Node, ...],
     fused: dict[torch.fx.Node, torch.fx.Node],
     kernels: dict[torch.fx.Node, frozenset[torch.fx.Node]],
 ) -> bool:
     """Whether Inductor computes ``node`` into ``donor``'s storage, which ``node``'s
-    kernel reads for the last time (its scheduler's ``decide_inplace_update``): ``node``
-    is a fused kernel's result (pointwise, or a reduction's last loop) as many elements
-    of the same dtype as ``donor``; no other result of that kernel reads ``donor``; and
-    it reads ``donor`` only where it writes, through views that keep the order of its
-    elements. A cross-entropy's logits gradient takes over the saved logits so, and a
-    residual add the matrix product it adds."""
+    kernel reads for the last time (its scheduler's ``decide_inplace_update``), where
+    ``node``'s graph holds it as ``read_as`` (``donor`` itself, or backward's inputs that
+    receive it): ``node`` is a fused kernel's result (pointwise, or a reduction's last
+    loop) as many elements of the same dtype as ``donor``; it reads ``donor``, only where
+    it writes, through views that keep the order of its elements; and no other result of
+    its kernel reads ``donor``. A cross-entropy's logits gradient takes over the saved
+    logits so, and a residual add the matrix product it adds."""
     value, given = node.meta.get("val"), donor.meta.get("val")
     if not (
         is_fusible(node)
@@ -358,7 +359,8 @@ def _writes_in_place(
     ):
         return False
     kernel = fused.get(node, node)
-    for alias in aliases(donor):
+    reads = False
+    for alias in (a for held in read_as for a in aliases(held)):
         for user in alias.users:
             if is_view(user) and user.args[0] is alias:
                 continue
@@ -367,4 +369,5 @@ def _writes_in_place(
                 return False
             if node in readers and not keeps_element_order(alias):
                 return False
-    return True
+            reads = reads or node in readers
+    return reads

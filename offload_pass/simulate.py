@@ -260,13 +260,13 @@ class MemoryTimeline:
 
     The peak counts ``in_flight - 1`` other forwards of the chunk done and their
     backwards pending (a pipeline stage's warm-up, blocks compiled each on their own),
-    each holding what this one holds between its forward and backward (what it returns
-    among it, ``ChunkCosts.returned_bytes``), less its released storages: their copies
-    end under the next forward's compute. So while
-    this forward runs, the forward before it still holds its released storages (counted
-    over all of this forward: their copies end somewhere in it). This one's own released
-    storages count as held throughout: it may be the last forward before its backward,
-    whose copies have nothing after them to end under.
+    each holding what this one holds between its forward and backward, what it returned
+    included (``ChunkCosts.returned_bytes``), less its released storages: their copies
+    end under the next forward's compute. So while this forward runs, the forward before
+    it still holds its released storages (counted over all of this forward: their copies
+    end somewhere in it). This one's own released storages count as held throughout: it
+    may be the last forward before its backward, whose copies have nothing after them to
+    end under.
     """
 
     def __init__(

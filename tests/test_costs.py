@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from offload_pass.costs import estimate_costs, kernel_launches, node_seconds
+from offload_pass.costs import _run_position, estimate_costs, kernel_launches, node_seconds
 from offload_pass.graphs import ChunkGraphs, materializes
 from offload_pass.profiles import BUILT_IN, DeviceProfile
 from offload_pass.simulate import peak_bytes
@@ -215,6 +215,28 @@ def test_a_kernel_with_two_results_writes_neither_into_the_input_both_read():
     assert costs.allocated[sin] + costs.allocated[cos] == 2 * 192
 
 
+def _forward_returning_what_it_saves(x, w):
+    y = torch.mm(x, w)
+    return y, y
+
+
+def test_no_kernel_writes_into_what_forward_returns():
+    """AOTAutograd does not donate a saved value forward also returns: the gradient
+    backward computes from it takes a storage of its own."""
+    chunk = _chunk(_forward_returning_what_it_saves, tangent_shape=(6, 8))
+    costs = estimate_costs(chunk, PROFILE)
+    mul = _position(chunk, chunk.backward.graph, torch.ops.aten.mul.Tensor)
+    assert costs.allocated[mul] == 192
+    assert costs.returned_bytes == 0  # backward reads it: held as a saved value
+    assert peak_bytes(costs, ()) == costs.resident_bytes + 3 * 192  # y, tangent, gradient
+
+
+def test_a_kernel_runs_before_its_first_unfused_reader_only_once_its_inputs_are_there():
+    assert _run_position(last=10, ready=3, before_first_read=5) == 5
+    assert _run_position(last=10, ready=8, before_first_read=5) == 10
+    assert _run_position(last=10, ready=3, before_first_read=11) == 10
+
+
 def _backward_sin_and_cos(y, tangent):
     return y.sin() * tangent, y.cos() * tangent  # one kernel, two results, both reading y
 
@@ -354,8 +376,10 @@ def test_a_kernels_values_are_written_where_it_runs_after_the_products_it_waits_
     offset = len(chunk.forward.graph.nodes)
     at = {n.name: offset + i for i, n in enumerate(chunk.backward.graph.nodes)}
     assert costs.allocated[at["mul"]] == costs.allocated[at["mul_2"]] == 0
-    # dh, and the kernel's three values less one written into an input it reads last
-    assert costs.allocated[at["mm_3"]] == 8 * 8 * 4 + 2 * 8 * 8 * 4
+    # dh, and the kernel's three values: none is written in place, as two of them read
+    # each input the kernel reads last (up and dh), and mm_2, which mm_3 reads last
+    # where the kernel runs, is not one the kernel reads
+    assert costs.allocated[at["mm_3"]] == 8 * 8 * 4 + 3 * 8 * 8 * 4
 
 
 def _gradient_and_sums(g, w):
