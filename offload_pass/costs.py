@@ -211,9 +211,10 @@ def _memory_events(
     returned = {r for r in map(storage, user_outputs) if r in start}
     tangents = {n for n in backward if n.op == "placeholder" and n not in received}
     reordered = {storage(v) for v in received.values() if not keeps_element_order(v)}
+    not_donated = tangents | returned | reordered
     dying: dict[int, list[torch.fx.Node]] = {}  # the storages each position reads last
     for root, at in last_use.items():
-        if root in start and root not in tangents | returned | reordered:
+        if root in start and root not in not_donated:
             dying.setdefault(at, []).append(root)
     received_as: dict[torch.fx.Node, tuple[torch.fx.Node, ...]] = {}
     for given in received:
