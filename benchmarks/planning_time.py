@@ -2,7 +2,10 @@
 bucket, under a memory budget the search over recompute splits, rewrite: everything it
 adds before the compiler's own work), on the partitioned graphs
 of decoder stacks of increasing depth (traced on the CPU, planned with the H200 profile),
-timed inside the partitioner of a real compile, as the backend runs them.
+timed inside the partitioner of a real compile, as the backend runs them: on the joint
+graph Inductor splits, after its decompositions and joint-graph passes (the backend's
+default compiler), or with ``--compiler eager`` the eager compiler's, undecomposed, which
+every table in benchmarks/README.md before 2026-12-06 planned.
 
     python -m benchmarks.planning_time [--layers 8 32 128]
     python -m benchmarks.planning_time --workload W1 --layers 8 --repeats 1
@@ -34,8 +37,8 @@ import tabulate
 import torch
 
 from benchmarks import workloads
-from offload_pass import _compat
-from offload_pass.options import OffloadOptions
+from offload_pass.explain import partition_as_compiled
+from offload_pass.options import COMPILERS, OffloadOptions
 from offload_pass.partition import OffloadPartitioner
 from offload_pass.plan import Plan
 
@@ -102,7 +105,7 @@ def timed_pass(workload: workloads.Workload, layers: int, options: OffloadOption
         return graphs
 
     def backend(gm, example_inputs):
-        return _compat.compile_with_eager(gm, example_inputs, partition)
+        return partition_as_compiled(gm, example_inputs, partition, options.compiler)
 
     model, x = workloads.build(dataclasses.replace(workload, layers=layers), "cpu")
     gc.collect()  # the compiles before this one leave nothing to collect in it
@@ -114,6 +117,7 @@ def timed_pass(workload: workloads.Workload, layers: int, options: OffloadOption
 
 SEARCHED = "budget 0.7, as the backend plans it"
 AT_CHECKPOINTING = "budget 7.35 GiB, as the backend plans it"
+AT_CHECKPOINTING_DEFAULTS = "budget 7.35 GiB, the backend's defaults"
 AUTO_SEARCHED = "auto, choosing its split"
 MODES = {
     "auto": OffloadOptions(min_bytes=0, profile="h200"),
@@ -125,26 +129,36 @@ MODES = {
     AT_CHECKPOINTING: OffloadOptions(
         memory_budget=round(7.35 * 2**30), min_bytes=0, profile="h200"
     ),
+    AT_CHECKPOINTING_DEFAULTS: OffloadOptions(memory_budget=round(7.35 * 2**30), profile="h200"),
     AUTO_SEARCHED: OffloadOptions(recompute_budget="search", min_bytes=0, profile="h200"),
 }
 """The plain budget row fixes the stock split (``recompute_budget=1.0``, torch's own
 setting); the searched ones let the joint search (offload_pass.joint) split the graph
 again under lower recompute budgets, for the budget or for ``auto``: their ``search``
 column, and the wall time with every partition. 7.35 GiB is W1's peak with every block
-checkpointed (docs/gpu-validation.md)."""
-SEARCHING = (SEARCHED, AT_CHECKPOINTING, AUTO_SEARCHED)
+checkpointed (docs/gpu-validation.md). Every mode but one moves storages of any size
+(``min_bytes=0``): the stages' worst case; the backend's defaults leave the smallest
+where they are."""
+SEARCHING = (SEARCHED, AT_CHECKPOINTING, AT_CHECKPOINTING_DEFAULTS, AUTO_SEARCHED)
 STAGES = ("order", "analyse", "costs", "plan", "bucket", "search", "rewrite")
 COLLECTIONS = "full GC s"
 WALL = "with partitions s"
 
 
 def timed_modes(
-    workload: workloads.Workload, layers: int, repeats: int, modes: Sequence[str]
+    workload: workloads.Workload,
+    layers: int,
+    repeats: int,
+    modes: Sequence[str],
+    compiler: str = "inductor",
 ) -> dict[str, list[TimedPass]]:
-    """``repeats`` compiles for each of ``modes`` (every mode where empty)."""
+    """``repeats`` compiles for each of ``modes`` (every mode where empty), splitting the
+    joint graph ``compiler`` would."""
     asked = [mode for mode in MODES if mode in modes or not modes]
+    options = {mode: dataclasses.replace(MODES[mode], compiler=compiler) for mode in asked}
     return {
-        mode: [timed_pass(workload, layers, MODES[mode]) for _ in range(repeats)] for mode in asked
+        mode: [timed_pass(workload, layers, options[mode]) for _ in range(repeats)]
+        for mode in asked
     }
 
 
@@ -175,13 +189,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, nargs="+", default=[8, 32, 128])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", nargs="+", default=[], choices=list(MODES), help="default: all")
+    parser.add_argument(
+        "--compiler",
+        default="inductor",
+        choices=COMPILERS,
+        help="whose joint graph is split: Inductor's, decomposed (the backend's default), "
+        "or the eager compiler's",
+    )
     args = parser.parse_args(argv)
     headers = ["layers", "joint nodes", "split nodes", "mode", "moved", *STAGES]
     headers += ["total s", COLLECTIONS, WALL]
     workload = workloads.BY_NAME[args.workload]
     rows = []
     for layers in args.layers:
-        timed = timed_modes(workload, layers, args.repeats, args.modes)
+        timed = timed_modes(workload, layers, args.repeats, args.modes, args.compiler)
         rows += [row(layers, mode, runs) for mode, runs in timed.items()]
         print(tabulate.tabulate(rows, headers=headers), flush=True)
         print()

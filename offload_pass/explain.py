@@ -44,13 +44,24 @@ class _PlanOnly:
         """Partition and plan as the chosen compiler would (Inductor decomposes ops and
         runs its joint-graph passes first)."""
         partitioner = self.backend.partitioner_for(gm)
-        if self.backend.options.compiler == "inductor":
-            decompositions = _compat.inductor_decompositions()
-            partition = _compat.after_inductor_joint_passes(partitioner)
-            _compat.compile_with_eager(gm, example_inputs, partition, decompositions)
-        else:
-            _compat.compile_with_eager(gm, example_inputs, partitioner)
+        partition_as_compiled(gm, example_inputs, partitioner, self.backend.options.compiler)
         return _stand_ins(gm)
+
+
+def partition_as_compiled(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[object],
+    partition: _compat.PartitionFn,
+    compiler: str,
+) -> Callable[..., Any]:
+    """AOTAutograd with ``partition`` on the joint graph ``compiler`` would split:
+    Inductor's, after its decompositions and joint-graph passes, where ``"inductor"``;
+    the graphs themselves run as plain FX code."""
+    if compiler == "inductor":
+        decompositions = _compat.inductor_decompositions()
+        after_passes = _compat.after_inductor_joint_passes(partition)
+        return _compat.compile_with_eager(gm, example_inputs, after_passes, decompositions)
+    return _compat.compile_with_eager(gm, example_inputs, partition)
 
 
 def explain(model: torch.nn.Module, *example_inputs: Any, **backend_options: Any) -> ModelReport:

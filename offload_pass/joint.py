@@ -3,21 +3,50 @@
 Offloading lowers the peak only as far as the copies hide under compute; past that,
 every byte more waits on PCIe. Recomputing costs compute instead. Where the offload plan
 of the stock partition misses ``memory_budget``, or meets it only by slowing the step
-past ``stall_tolerance`` of the step with nothing moved, the stock partitioner splits the
-graph again under ``RECOMPUTE_LEVELS`` in turn (torch's ``activation_memory_budget``: the
-lower, the more it recomputes in backward, cheapest first), and the pass plans each
-split's offloads for the same budget in bytes. The cost model prices the recomputed nodes
-in backward like any other, so one simulation weighs moving, recomputing and both.
+past ``stall_tolerance`` of the step with nothing moved, the search splits the graph
+again three ways, each tried only where those before leave the budget unmet within the
+tolerance:
+
+1. the stock split with saved values recomputed, each with the nodes it is computed from
+   (:mod:`offload_pass.recomputation`), those cheapest per byte freed, as many as its
+   plan moves and misses by, in rounds;
+2. the partitioner's knapsack under ``RECOMPUTE_LEVELS`` in turn (torch's
+   ``activation_memory_budget``: the lower, the more it recomputes in backward, cheapest
+   first);
+3. the stock split with the last blocks checkpointed.
+
+The pass plans each split's offloads for the same budget in bytes. The cost model prices
+the recomputed nodes in backward like any other, so one simulation weighs moving,
+recomputing and both.
+
+The values come first because their splits are the cheapest to make: the partitioner
+solves one min-cut for each, where a level takes four and a knapsack (on W1 on the CPU,
+a level's split took 2.7 to 4.1 times as long as the stock split). A level cannot be
+refined value by value either (its knapsack would save others in place of the values
+marked); the stock split can. Values of one price (the same op in every block) are
+taken in two orders, first made first, then last made first, each in its own rounds:
+which leaves the lower peak depends on where the step peaks. Each round takes a share
+(``VALUE_STEP``) of what is left to free.
 
 The search keeps the plan that meets the budget predicted fastest, or where none meets it
 the one predicted nearest. It stops at the first plan that meets the budget within the
-tolerance, and once a plan meets the budget no faster than the last split's step with
-nothing moved: each level recomputes more than the last, so no lower level's plan can be
-faster (the step of a split with nothing moved bounds every plan on it from below, and it
-grows as the level falls), and each split costs a partition. Where a plan meets the
-budget, a level that does not improve on it does not end the search: one that recomputes
-more may leave less to move (W2 at 13.96 GiB, planned on the H200: 735 ms at 0.8, 751 at
-0.6, 615 at 0.4). Where none meets it yet, the first level that gets no nearer does.
+tolerance, and, among the levels, once a plan meets the budget no faster than the last
+split's step with nothing moved: each level recomputes more than the last, so no lower
+level's plan can be faster (the step of a split with nothing moved bounds every plan on
+it from below, and it grows as the level falls), and each split costs a partition. Where
+a plan meets the budget, a level that does not improve on it does not end the search:
+one that recomputes more may leave less to move (W2 at 13.96 GiB, planned on the H200:
+735 ms at 0.8, 751 at 0.6, 615 at 0.4). Where none meets it yet, the first level that
+gets no nearer does.
+
+The partitioner's knapsack weighs each value's bytes, not the peak: recomputing from the
+whole model's inputs, its lowest level saves little at the peak. Checkpointing whole
+blocks (:mod:`offload_pass.blocks`) does, as the stock compile of a checkpointed model
+does: so the last way splits the stock level with the last blocks checkpointed, and
+plans what is left to move (the checkpointed blocks' inputs among it) as on any split.
+Checkpointing the last blocks first leaves the first blocks' values, which have the
+longest copy windows, to be moved.
+
 In ``auto`` with ``recompute_budget="search"``, the search keeps the split whose plan
 predicts the lowest peak while its step stays within ``stall_tolerance`` of the stock
 split's step with nothing moved: whatever is cheaper to recompute than to keep is
@@ -26,28 +55,9 @@ level whose step with nothing moved is close to the limit may plan past it and i
 kept; the first level whose step with nothing moved is past the limit ends the search,
 since every lower level recomputes more. On the CPU with the H200 profile, ``auto``
 on W1 predicts 9.38 GiB on the stock split and 6.94 GiB on split 0.8, both within 0.2%
-of the stock step.
-
-The partitioner's knapsack weighs each value's bytes, not the peak: recomputing from the
-whole model's inputs, its lowest level saves little at the peak. Checkpointing whole
-blocks (:mod:`offload_pass.blocks`) does, as the stock compile of a checkpointed model
-does: so, where the levels leave the budget unmet within the tolerance, the search splits
-the stock level with the last blocks checkpointed, and plans what is left to move (the
-checkpointed blocks' inputs among it) as on any split. ``auto`` keeps the most blocks
-checkpointed within the tolerance where that lowers the peak further than the levels.
-Checkpointing the last blocks first leaves the first blocks' values, which have the
-longest copy windows, to be moved.
-
-A level cannot be refined value by value (its knapsack would save others in place of
-the values marked), but the stock split can: where no level meets the budget within the
-tolerance, the search plans it with saved values recomputed, each with the nodes it is
-computed from (:mod:`offload_pass.recomputation`), those cheapest per byte freed, as
-many as its plan moves and misses by, in rounds, before it tries the blocks. Values of
-one price (the same op in every block) are taken in two orders, each in its own rounds:
-on W1, whose peak is where backward ends, only the last made first meets checkpointing's
-peak; on HF Llama the first made first meets it faster. Each round takes a share
-(``VALUE_STEP``) of what is left to free. ``auto`` recomputes those that fit into its
-tolerance.
+of the stock step. ``auto`` keeps the most blocks checkpointed within the tolerance where
+that lowers the peak further than the levels, and recomputes the values that fit into
+its tolerance.
 
 The kept plan's ``stage_seconds`` carry the seconds spent splitting and planning the splits
 not kept (``"search"``).
@@ -169,20 +179,21 @@ PlanAt = Callable[..., PlannedChunk]
 def _meet_budget(
     plan_at: PlanAt, options: OffloadOptions, space: SearchSpace, stock: PlannedChunk
 ) -> PlannedChunk:
-    """The plan meeting the budget predicted fastest, else the nearest: the levels'; where
-    none meets the budget within the tolerance, the stock split with values recomputed
-    in place of what it moves or misses; where that does not either, the checkpointed
-    blocks'. The values are recomputed on the stock split alone: under a level, the
-    partitioner's knapsack would save others in their place."""
+    """The plan meeting the budget predicted fastest, else the nearest: the stock split
+    with values recomputed in place of what it moves or misses; where that does not meet
+    the budget within the tolerance, the levels'; where they do not either, the
+    checkpointed blocks'. The values are recomputed on the stock split alone: under a
+    level, the partitioner's knapsack would save others in their place."""
     slowest = _slowest(stock, options)
     # a share of the stock peak, in bytes, for every split (at least one: bytes must be)
     in_bytes = dataclasses.replace(options, memory_budget=max(1, stock.planned.budget_bytes))
-    best = _level_meeting_budget(plan_at, in_bytes, space.levels, stock, slowest)
-    if space.values and not _meets_budget_in_time(best, slowest):
-        recomputing = _values_recomputed_for_budget(plan_at, in_bytes, stock)
+    best = stock
+    if space.values:
+        recomputing = _values_recomputed_for_budget(plan_at, in_bytes, stock, slowest)
         best = min(best, recomputing, key=_shortfall_then_step)
+    best = _level_meeting_budget(plan_at, in_bytes, space.levels, best, slowest)
     if space.blocks and not _meets_budget_in_time(best, slowest):
-        checkpointing = _checkpointing_meeting_budget(plan_at, in_bytes, space.blocks)
+        checkpointing = _checkpointing_meeting_budget(plan_at, in_bytes, space.blocks, best)
         best = min(best, checkpointing, key=_shortfall_then_step)
     return best
 
@@ -191,10 +202,9 @@ def _level_meeting_budget(
     plan_at: PlanAt,
     in_bytes: OffloadOptions,
     levels: Sequence[float],
-    stock: PlannedChunk,
+    best: PlannedChunk,
     slowest: float,
 ) -> PlannedChunk:
-    best = stock
     for level in levels:
         if _meets_budget_in_time(best, slowest):
             break
@@ -207,14 +217,18 @@ def _level_meeting_budget(
 
 
 def _checkpointing_meeting_budget(
-    plan_at: PlanAt, in_bytes: OffloadOptions, blocks: tuple[str, ...]
+    plan_at: PlanAt, in_bytes: OffloadOptions, blocks: tuple[str, ...], best: PlannedChunk
 ) -> PlannedChunk:
     """Of the plans checkpointing the last blocks, the fastest meeting the budget, else
     the nearest, among those planned in looking for two: the fewest blocks whose plan
     meets the budget, moving what it must, and the fewest whose split meets it with
     nothing moved (each block more than that only recomputes more). Each block more
     lowers the peak, so both are found by halving; where no split meets the budget with
-    nothing moved, the one checkpointing every block, the nearest, is planned too."""
+    nothing moved, the one checkpointing every block, the nearest, is planned too.
+
+    Each block more also recomputes more, so where ``best`` meets the budget no slower
+    than a count's split with nothing moved, no count from there up can beat it: the
+    halving takes that count as enough, and where it is one block, ends there."""
     planned: dict[int, PlannedChunk] = {}
 
     def plan(count: int) -> PlannedChunk:
@@ -222,22 +236,31 @@ def _checkpointing_meeting_budget(
             planned[count] = plan_at(_checkpointing(blocks, count, in_bytes), in_bytes)
         return planned[count]
 
+    def beaten(count: int) -> bool:
+        return _unbeatable(best, plan(count))
+
+    def meets(count: int) -> bool:
+        return beaten(count) or not plan(count).planned.budget_shortfall
+
     def unmoved_meets(count: int) -> bool:
         chunk = plan(count).planned
-        return chunk.prediction.baseline_peak_bytes <= (chunk.budget_bytes or 0)
+        return beaten(count) or chunk.prediction.baseline_peak_bytes <= (chunk.budget_bytes or 0)
 
-    _fewest(len(blocks), lambda count: not plan(count).planned.budget_shortfall)
+    if not best.planned.budget_shortfall and beaten(1):
+        return planned[1]
+    _fewest(len(blocks), meets)
     if _fewest(len(blocks), unmoved_meets) is None:
         plan(len(blocks))
     return min(planned.values(), key=_shortfall_then_step)
 
 
 def _values_recomputed_for_budget(
-    plan_at: PlanAt, in_bytes: OffloadOptions, planned: PlannedChunk
+    plan_at: PlanAt, in_bytes: OffloadOptions, planned: PlannedChunk, slowest: float
 ) -> PlannedChunk:
-    """The fastest plan meeting the budget, else the nearest, of the rounds of values
-    recomputed taking equals first made first and last made first: which leaves the
-    lower peak depends on where the step peaks (``recomputation.last_made_first``)."""
+    """The first plan meeting the budget within ``slowest``, else the fastest meeting
+    it, else the nearest, of the rounds of values recomputed taking equals first made
+    first, then last made first: which leaves the lower peak depends on where the step
+    peaks (``recomputation.last_made_first``)."""
     tried: dict[Split, PlannedChunk] = {}
 
     def plan_once(split: Split) -> PlannedChunk:
@@ -246,19 +269,24 @@ def _values_recomputed_for_budget(
             tried[split] = plan_at(split, in_bytes)
         return tried[split]
 
-    orders = (first_made_first, last_made_first)
-    return min((_rounds(plan_once, planned, order) for order in orders), key=_shortfall_then_step)
+    best = planned
+    for order in (first_made_first, last_made_first):
+        best = min(best, _rounds(plan_once, planned, order, slowest), key=_shortfall_then_step)
+        if _meets_budget_in_time(best, slowest):
+            break
+    return best
 
 
 def _rounds(
-    plan: Callable[[Split], PlannedChunk], planned: PlannedChunk, order: Order
+    plan: Callable[[Split], PlannedChunk], planned: PlannedChunk, order: Order, slowest: float
 ) -> PlannedChunk:
-    """The fastest plan meeting the budget, else the nearest, of up to ``VALUE_ROUNDS``
-    splits, each ``planned``'s or the last one's with more values recomputed: those first
-    in ``order``, kept or moved, until their bytes reach ``VALUE_STEP`` of what the last
-    plan moves and misses the budget by, in no more time than its moves add to its step
-    (any, where it misses the budget). The rounds stop at a plan neither nearer the
-    budget nor faster than the last."""
+    """The first plan meeting the budget within ``slowest``, else the fastest meeting
+    it, else the nearest, of up to ``VALUE_ROUNDS`` splits, each ``planned``'s or the
+    last one's with more values recomputed: those first in ``order``, kept or moved,
+    until their bytes reach ``VALUE_STEP`` of what the last plan moves and misses the
+    budget by, in no more time than its moves add to its step (any, where it misses the
+    budget). The rounds stop at a plan neither nearer the budget nor faster than the
+    last."""
     best = planned
     for _ in range(VALUE_ROUNDS):
         chunk = planned.planned
@@ -275,6 +303,8 @@ def _rounds(
         if not _nearer_or_faster(tried, planned):
             break
         best = min(best, tried, key=_shortfall_then_step)
+        if _meets_budget_in_time(best, slowest):
+            break
         planned = tried
     return best
 

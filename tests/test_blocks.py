@@ -220,6 +220,10 @@ def _stub(step_ms: float, unmoved_peak: int, shortfall: int, count: int) -> Plan
     return PlannedChunk(None, None, planned, {}, Split(None, ("b",) * count))
 
 
+MISSED = _stub(200, 30, 5, 0)
+"""The best plan before the blocks, missing the budget: it bounds no count of blocks."""
+
+
 def _checkpointing_search(plans: dict[int, PlannedChunk], search, *args):
     tried: list[int] = []
 
@@ -237,18 +241,18 @@ def test_a_budget_is_met_by_the_fastest_plan_the_halving_makes():
     counts, the fastest is kept."""
     plans = {1: _stub(120, 20, 5, 1)} | {c: _stub(100 + c, 20 - c, 0, c) for c in range(2, 9)}
     plans[6] = _stub(106, 10, 0, 6)  # the fewest that meet the budget of 10 unmoved
-    kept, tried = _checkpointing_search(plans, joint._checkpointing_meeting_budget)
+    kept, tried = _checkpointing_search(plans, joint._checkpointing_meeting_budget, MISSED)
     assert {1, 2, 6} <= set(tried) and len(set(tried)) <= 6  # halving twice over 8
     assert len(kept.split.checkpointed) == 2  # 102 ms, moving: the fastest planned
     plans[2] = _stub(130, 18, 0, 2)
-    kept, tried = _checkpointing_search(plans, joint._checkpointing_meeting_budget)
+    kept, tried = _checkpointing_search(plans, joint._checkpointing_meeting_budget, MISSED)
     fastest = min(set(tried), key=lambda c: plans[c].planned.prediction.step_seconds)
     assert len(kept.split.checkpointed) == fastest != 2
 
 
 def test_where_no_count_meets_the_budget_every_block_is_checkpointed():
     plans = {c: _stub(100 + c, 30 - c, 20 - c, c) for c in range(1, 5)}
-    kept, _ = _checkpointing_search(plans, joint._checkpointing_meeting_budget)
+    kept, _ = _checkpointing_search(plans, joint._checkpointing_meeting_budget, MISSED)
     assert len(kept.split.checkpointed) == 4
 
 

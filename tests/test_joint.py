@@ -4,6 +4,7 @@ under that split."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -151,15 +152,27 @@ def test_no_level_is_searched_where_the_graph_carries_its_own_recompute_budget()
 
 
 def _stub_split(
-    step_ms: float, unmoved_ms: float, level: float | None, shortfall: int = 0, peak: int = 0
+    step_ms: float,
+    unmoved_ms: float,
+    level: float | None,
+    shortfall: int = 0,
+    peak: int = 0,
+    split: Split | None = None,
+    unmoved_peak: int = 0,
 ):
     """A planned split as the search reads it: its predicted step, its step with nothing
-    moved, what it misses the budget by, and its predicted peak."""
+    moved, what it misses the budget by, and its predicted peak, planned and with nothing
+    moved; the split at ``level`` unless another is given."""
     prediction = SimpleNamespace(
-        step_seconds=step_ms / 1e3, baseline_seconds=unmoved_ms / 1e3, peak_bytes=peak
+        step_seconds=step_ms / 1e3,
+        baseline_seconds=unmoved_ms / 1e3,
+        peak_bytes=peak,
+        baseline_peak_bytes=unmoved_peak,
     )
-    planned = SimpleNamespace(prediction=prediction, budget_shortfall=shortfall, budget_bytes=1)
-    return PlannedChunk(None, None, planned, {}, Split(level))
+    planned = SimpleNamespace(
+        prediction=prediction, budget_shortfall=shortfall, budget_bytes=1, decisions=()
+    )
+    return PlannedChunk(None, None, planned, {}, split or Split(level))
 
 
 def _search(monkeypatch, splits: dict[float | None, PlannedChunk], **options):
@@ -221,6 +234,91 @@ def test_a_level_no_nearer_a_budget_nothing_met_ends_the_search(monkeypatch):
     }
     kept, tried = _search(monkeypatch, splits)
     assert tried == [None, 0.8] and kept.split.recompute_budget is None
+
+
+def _search_with_values(monkeypatch, splits, values: PlannedChunk, blocks=()):
+    """As :func:`_search`, the values' search standing in as ``values``, over the levels
+    and ``blocks``; the split kept and the levels planned (a block's as its count)."""
+    tried: list[float | int | None] = []
+
+    def planned(split, options, rule, host_scale):
+        count = len(split.checkpointed)
+        tried.append(count or split.recompute_budget)
+        return splits[count or split.recompute_budget]
+
+    monkeypatch.setattr(joint_search, "plan_chunk", planned)
+    monkeypatch.setattr(joint_search, "_values_recomputed_for_budget", lambda *_: values)
+    chosen = OffloadOptions(memory_budget=0.5)
+    space = SearchSpace(RECOMPUTE_LEVELS, blocks, values=True)
+    kept = joint_search.plan_jointly(lambda split: split, chosen, chosen.fraction_rule(), space)
+    return kept, tried
+
+
+def test_values_meeting_the_budget_in_time_leave_the_levels_and_blocks_untried(monkeypatch):
+    """The values' splits cost the partitioner the least, so they are tried first."""
+    values = _stub_split(505, 503, None, split=Split(None, recomputed=("mm",)))
+    splits = {None: _stub_split(1000, 500, None), 0.8: _stub_split(501, 501, 0.8)}
+    kept, tried = _search_with_values(monkeypatch, splits, values, blocks=("b0", "b1"))
+    assert tried == [None] and kept.split == values.split
+
+
+def test_values_meeting_the_budget_only_slowly_leave_the_levels_to_try(monkeypatch):
+    values = _stub_split(700, 503, None, split=Split(None, recomputed=("mm",)))
+    splits = {
+        None: _stub_split(1000, 500, None),
+        0.8: _stub_split(560, 507, 0.8),
+        0.6: _stub_split(590, 565, 0.6),
+    }
+    kept, tried = _search_with_values(monkeypatch, splits, values)
+    assert tried == [None, 0.8, 0.6] and kept.split.recompute_budget == 0.8
+
+
+def test_no_more_blocks_are_planned_than_one_whose_split_is_no_faster_than_the_best(
+    monkeypatch,
+):
+    """Each block more recomputes more: a count whose step with nothing moved is past the
+    best plan's step bounds every count above it."""
+    values = _stub_split(600, 503, None, split=Split(None, recomputed=("mm",)))
+    splits = {
+        None: _stub_split(1000, 500, None),
+        0.8: _stub_split(700, 620, 0.8),  # with nothing moved past 600: no level can win
+        1: _stub_split(650, 505, None, shortfall=10),
+        2: _stub_split(560, 550, None, unmoved_peak=10),
+        3: _stub_split(585, 580, None, unmoved_peak=10),
+        4: _stub_split(700, 700, None),  # past 600: so are 5 to 8
+    }
+    blocks = tuple(f"b{i}" for i in range(8))
+    kept, tried = _search_with_values(monkeypatch, splits, values, blocks)
+    assert tried == [None, 0.8, 1, 4, 2, 3] and len(kept.split.checkpointed) == 2
+
+    splits[1] = _stub_split(650, 610, None)  # one block no faster than the values' plan
+    kept, tried = _search_with_values(monkeypatch, splits, values, blocks)
+    assert tried == [None, 0.8, 1] and kept.split == values.split
+
+
+def _rounds_tried(monkeypatch, plans: list[PlannedChunk], slowest_ms: float) -> list[Split]:
+    """The splits the values' rounds plan from a stock split meeting the budget slowly,
+    each round's plan taken from ``plans`` in turn."""
+    monkeypatch.setattr(joint_search, "recomputable", lambda planned: ["value"])
+    names = iter(("a", "b", "c"))
+    monkeypatch.setattr(joint_search, "cheapest", lambda *_: (next(names),))
+    tried: list[Split] = []
+
+    def plan(split: Split) -> PlannedChunk:
+        tried.append(split)
+        return dataclasses.replace(plans[len(tried) - 1], split=split)
+
+    stock = _stub_split(1000, 500, None)
+    joint_search._rounds(plan, stock, lambda values: values, slowest_ms / 1e3)
+    return tried
+
+
+def test_the_values_rounds_stop_at_the_first_plan_meeting_the_budget_in_time(monkeypatch):
+    plans = [_stub_split(900, 502, None), _stub_split(505, 504, None), _stub_split(503, 503, None)]
+    tried = _rounds_tried(monkeypatch, plans, slowest_ms=510)
+    assert [split.recomputed for split in tried] == [("a",), ("a", "b")]
+    tried = _rounds_tried(monkeypatch, plans, slowest_ms=501)  # none in time: every round
+    assert [split.recomputed for split in tried] == [("a",), ("a", "b"), ("a", "b", "c")]
 
 
 AUTO_SEARCH = {"recompute_budget": "search", "stall_tolerance": 0.02}
