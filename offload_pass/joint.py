@@ -422,7 +422,8 @@ def _meets_budget_in_time(planned: PlannedChunk, slowest: float) -> bool:
 
 def _unbeatable(best: PlannedChunk, tried: PlannedChunk) -> bool:
     """Whether ``best`` meets the budget no slower than ``tried``'s split with nothing
-    moved, which bounds the plans of every lower level from below (module docstring)."""
+    moved, which bounds from below the plans of every split recomputing more: every
+    lower level's (module docstring), or every larger count of blocks checkpointed."""
     prediction = best.planned.prediction
     floor = tried.planned.prediction.baseline_seconds
     return not best.planned.budget_shortfall and prediction.step_seconds <= floor
