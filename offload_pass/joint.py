@@ -188,9 +188,8 @@ def _meet_budget(
     # a share of the stock peak, in bytes, for every split (at least one: bytes must be)
     in_bytes = dataclasses.replace(options, memory_budget=max(1, stock.planned.budget_bytes))
     best = stock
-    if space.values:
-        recomputing = _values_recomputed_for_budget(plan_at, in_bytes, stock, slowest)
-        best = min(best, recomputing, key=_shortfall_then_step)
+    if space.values:  # the stock plan among those it compares
+        best = _values_recomputed_for_budget(plan_at, in_bytes, stock, slowest)
     best = _level_meeting_budget(plan_at, in_bytes, space.levels, best, slowest)
     if space.blocks and not _meets_budget_in_time(best, slowest):
         checkpointing = _checkpointing_meeting_budget(plan_at, in_bytes, space.blocks, best)
