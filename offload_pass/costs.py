@@ -46,6 +46,16 @@ from offload_pass.timing import NodeTimer, SettledTimer
 
 
 @dataclasses.dataclass(frozen=True)
+class ReuseHold:
+    """A buffer Inductor's wrapper keeps in its pool after its last read, from after
+    position ``freed_at`` until the allocation at ``reused_at`` takes it over."""
+
+    freed_at: int
+    reused_at: int
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
 class ChunkCosts:
     """Per position: seconds of each forward and backward node, and kernels the host
     issues there (``forward_launches``/``backward_launches``, 0 or 1); bytes
@@ -56,7 +66,9 @@ class ChunkCosts:
     ``backward_inputs``: backward's leading placeholders. ``forward_names``/
     ``backward_names``: the node at each position. ``kernel_slowdown``: what the kernels
     timed on the device were scaled by, their chunk's settled slowdown (1 where none was
-    timed so)."""
+    timed so). ``reuse_holds``: where Inductor's buffer reuse keeps a buffer longer than
+    ``freed`` says; it is on only in graphs that hold no transfers
+    (``_compat.TRANSFER_GRAPH_SETTINGS``)."""
 
     profile: DeviceProfile
     forward_seconds: tuple[float, ...]
@@ -71,6 +83,7 @@ class ChunkCosts:
     backward_names: tuple[str, ...] = ()
     kernel_slowdown: float = 1.0
     returned_bytes: int = 0
+    reuse_holds: tuple[ReuseHold, ...] = ()
 
     @property
     def num_forward(self) -> int:
@@ -133,7 +146,7 @@ def estimate_costs(
     forward = list(chunk.forward.graph.nodes)
     backward = list(chunk.backward.graph.nodes)
     kernels = {**fused_kernels(forward), **fused_kernels(backward)}
-    allocated, freed, returned_bytes = _memory_events(chunk, forward, backward, kernels)
+    allocated, freed, returned_bytes, holds = _memory_events(chunk, forward, backward, kernels)
     return ChunkCosts(
         profile=profile,
         forward_seconds=tuple(node_seconds(n, profile, timer) for n in forward),
@@ -150,6 +163,7 @@ def estimate_costs(
         backward_names=tuple(n.name for n in backward),
         kernel_slowdown=timer.slowdown if isinstance(timer, SettledTimer) else 1.0,
         returned_bytes=returned_bytes,
+        reuse_holds=holds,
     )
 
 
@@ -158,10 +172,10 @@ def _memory_events(
     forward: list[torch.fx.Node],
     backward: list[torch.fx.Node],
     fused: dict[torch.fx.Node, torch.fx.Node],
-) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-    """Bytes allocated at each position, bytes freed after it, and the bytes forward
-    returns that backward does not read (``fused``: the first node of the kernel writing
-    each value, ``graphs.fused_kernels``)."""
+) -> tuple[tuple[int, ...], tuple[int, ...], int, tuple[ReuseHold, ...]]:
+    """Bytes allocated at each position, bytes freed after it, the bytes forward returns
+    that backward does not read, and the buffers Inductor's reuse would hold longer
+    (``fused``: the first node of the kernel writing each value, ``graphs.fused_kernels``)."""
     received = chunk.saved_values_by_input()
     position = {n: i for i, n in enumerate(itertools.chain(forward, backward))}
     user_outputs = set(chunk.user_outputs())
@@ -238,14 +252,15 @@ def _memory_events(
             freed[at] -= nbytes
             in_place[root] = donor
             taken.add(donor)
-    held = _reuse_holds(start, last_use, len(forward), in_place)
-    for root, (freed_at, reused_at) in held.items():
-        nbytes = tensor_bytes(root.meta.get("val"))
-        freed[freed_at] -= nbytes
-        allocated[reused_at] -= nbytes
+    holds = tuple(
+        ReuseHold(freed_at, reused_at, tensor_bytes(root.meta.get("val")))
+        for root, (freed_at, reused_at) in _reuse_holds(
+            start, last_use, len(forward), in_place
+        ).items()
+    )
     unread = (r for r in returned if last_use[r] == len(forward) - 1)  # by backward
     returned_bytes = sum(tensor_bytes(r.meta.get("val")) for r in unread)
-    return tuple(allocated), tuple(freed), returned_bytes
+    return tuple(allocated), tuple(freed), returned_bytes, holds
 
 
 def _kernel_positions(

@@ -21,8 +21,8 @@ forwards of the chunk run before its backward (``in_flight`` above 1) and the co
 keeps pace with them, a copy that would be waited for at forward's end is released there
 instead: compute does not wait for it, and its storage is freed once the copy has read
 it, under the next forward's compute. Where more is moved than the copy queues can carry
-in time (a share or a budget asks for it), a copy that would end after forward is waited
-for ``OVERLAP_DEPTH`` copies later, and a reload that would start before backward is
+in time (a share or a budget asks for it), every copy is waited for no later than where
+the copy ``OVERLAP_DEPTH`` later is produced, and a reload that would start before backward is
 issued ``OVERLAP_DEPTH`` reloads before its need: compute then waits for the queue
 either way, but holds only a few copies in flight, not all. A budget tries each depth of
 ``BUDGET_DEPTHS``: fewer copies in flight lower the peak, so fewer need to move, while
@@ -158,9 +158,11 @@ def _wait_positions(
     """Each offload_wait at the first node by which its copy is done, queued in order;
     and the copies released at forward's end instead (``_released``).
 
-    A copy that cannot finish within forward even as predicted is waited for where the
-    copy ``depth`` later is produced: forward slows to the copy rate, but frees its
-    memory there, not at forward's end.
+    Where the queue cannot carry the copies within forward even as predicted (a share
+    or a budget moves more than hides), every copy is waited for by where the copy
+    ``depth`` later is produced, if it is not done before: forward slows to the copy
+    rate, but holds only a few copies in flight, not the queue's whole backlog (and not
+    every late copy until forward's end).
     """
     last_forward = len(clocks.forward_end) - 2
     order = sorted(groups, key=lambda g: g.produced_at)
@@ -182,13 +184,14 @@ def _wait_positions(
         released = _released(order, predicted, margined, costs, clocks)
         if not released:
             predicted, margined = ends(0.0)
+    behind = not released and max(predicted, default=0.0) > clocks.forward_seconds
     wait_at = {}
     for i, g in enumerate(order):
         done = bisect.bisect_left(clocks.forward_end, margined[i], lo=g.last_forward_use)
         if g.root in released:
             done = last_forward
-        elif predicted[i] > clocks.forward_seconds and i + depth < len(order):
-            done = max(g.last_forward_use, order[i + depth].produced_at)
+        elif behind and i + depth < len(order):
+            done = min(done, max(g.last_forward_use, order[i + depth].produced_at))
         wait_at[g.root] = min(done, last_forward)
     return wait_at, released
 

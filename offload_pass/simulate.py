@@ -267,6 +267,10 @@ class MemoryTimeline:
     end somewhere in it). This one's own released storages count as held throughout: it
     may be the last forward before its backward, whose copies have nothing after them to
     end under.
+
+    Inductor's buffer reuse holds buffers longer (``ChunkCosts.reuse_holds``) only where
+    nothing moves: graphs that hold transfers are compiled with it off. What the timeline
+    answers for one transfer kept assumes the others still move.
     """
 
     def __init__(
@@ -274,6 +278,9 @@ class MemoryTimeline:
     ) -> None:
         allocated = list(costs.allocated)
         freed = list(costs.freed)
+        for hold in () if transfers else costs.reuse_holds:
+            freed[hold.freed_at] -= hold.nbytes
+            allocated[hold.reused_at] -= hold.nbytes
         for t in transfers:
             if not t.released:
                 freed[t.wait_at] += t.nbytes

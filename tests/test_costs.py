@@ -8,10 +8,16 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from offload_pass.costs import _run_position, estimate_costs, kernel_launches, node_seconds
+from offload_pass.costs import (
+    ReuseHold,
+    _run_position,
+    estimate_costs,
+    kernel_launches,
+    node_seconds,
+)
 from offload_pass.graphs import ChunkGraphs, materializes
 from offload_pass.profiles import BUILT_IN, DeviceProfile
-from offload_pass.simulate import peak_bytes
+from offload_pass.simulate import MemoryTimeline, peak_bytes
 
 PROFILE = DeviceProfile("test", 1e3, 1e3, 1e12, 1e9, 1e9, 2e9)
 
@@ -172,11 +178,12 @@ def test_a_freed_buffer_is_held_until_a_later_one_of_its_size_takes_it():
     y, narrow, wide, z = chunk.forward.graph.find_nodes(
         op="call_function", target=torch.ops.aten.mm.default
     )
-    assert costs.allocated[nodes.index(z)] == 0  # y's buffer, taken over
-    assert costs.freed[nodes.index(narrow)] == 8 * 4 * 4  # the ones it read; y is pooled
-    assert costs.allocated[nodes.index(wide)] == 6 * 16 * 4
-    held = sum(costs.allocated[: nodes.index(wide) + 1]) - sum(costs.freed[: nodes.index(wide)])
-    assert held >= 6 * 8 * 4 + 6 * 16 * 4  # y's buffer beside wide's
+    assert ReuseHold(nodes.index(narrow), nodes.index(z), 6 * 8 * 4) in costs.reuse_holds
+    pooled = MemoryTimeline(costs, ()).live  # nothing moved: reuse is on
+    freed = MemoryTimeline(dataclasses.replace(costs, reuse_holds=()), ()).live
+    at_wide, at_z = nodes.index(wide), nodes.index(z)
+    assert pooled.max(at_wide, at_wide + 1) == freed.max(at_wide, at_wide + 1) + 6 * 8 * 4
+    assert pooled.max(at_z, at_z + 1) == freed.max(at_z, at_z + 1)  # z takes y's buffer
 
 
 def test_no_kernel_writes_into_an_input_of_another_dtype():
