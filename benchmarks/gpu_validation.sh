@@ -20,6 +20,9 @@
 #               without (benchmarks/plan_repeat.py)
 #   checkpointing  W1 and W2 each under a budget at full checkpointing's peak (7.35 and
 #               12.45 GiB), beside checkpointing and the stock compile (benchmarks/compare.py)
+#   peers       W1 and W2 fitted to checkpointing's peak and to save_on_cpu's (6.69 and 9.32
+#               GiB), beside checkpointing, save_on_cpu and torchtune (its wheels installed
+#               as benchmarks/README.md says; about 15 minutes)
 # With no argument compare, cuda-tests, zoo, example and breakdown run; `--only STEP
 # [STEP ...]` runs those alone. Logs and results go to $OUT (or ./out); the exit status is pytest's.
 set -o pipefail
@@ -84,9 +87,19 @@ for step in "${steps[@]}"; do
         python -m benchmarks.compare --out "$out" --workloads W2 --steps 6 --configs compiled \
             "checkpoint blocks" "offload_pass budget 12.45 GiB" 2>&1 | tee -a "$out/checkpointing.log"
         ;;
+    peers)
+        python -m benchmarks.compare --out "$out" --workloads W1 --steps 6 --configs compiled \
+            "checkpoint blocks" "offload_pass budget 7.35 GiB, fitted" \
+            "offload_pass budget 6.69 GiB, fitted" save_on_cpu "torchtune streams" 2>&1 \
+            | tee "$out/peers.log"
+        python -m benchmarks.compare --out "$out" --workloads W2 --steps 6 --configs compiled \
+            "checkpoint blocks" "offload_pass budget 12.45 GiB, fitted" \
+            "offload_pass budget 9.32 GiB, fitted" save_on_cpu "torchtune streams" 2>&1 \
+            | tee -a "$out/peers.log"
+        ;;
     *)
         echo "unknown step $step (compare, cuda-tests, zoo, zoo-bench, example, overhead, kernels," \
-            "finetune, breakdown, steps, cuda-graphs, plan-repeat, checkpointing)" >&2
+            "finetune, breakdown, steps, cuda-graphs, plan-repeat, checkpointing, peers)" >&2
         exit 2
         ;;
     esac
