@@ -252,12 +252,7 @@ def _memory_events(
             freed[at] -= nbytes
             in_place[root] = donor
             taken.add(donor)
-    holds = tuple(
-        ReuseHold(freed_at, reused_at, tensor_bytes(root.meta.get("val")))
-        for root, (freed_at, reused_at) in _reuse_holds(
-            start, last_use, len(forward), in_place
-        ).items()
-    )
+    holds = _reuse_holds(start, last_use, len(forward), in_place)
     unread = (r for r in returned if last_use[r] == len(forward) - 1)  # by backward
     returned_bytes = sum(tensor_bytes(r.meta.get("val")) for r in unread)
     return tuple(allocated), tuple(freed), returned_bytes, holds
@@ -316,15 +311,13 @@ def _reuse_holds(
     last_use: dict[torch.fx.Node, int],
     num_forward: int,
     in_place: dict[torch.fx.Node, torch.fx.Node],
-) -> dict[torch.fx.Node, tuple[int, int]]:
+) -> tuple[ReuseHold, ...]:
     """Storages Inductor keeps after their last read for a later buffer of the same
-    dtype and size to take over, each with the position after which it would otherwise
-    be freed and the position of the allocation that takes it (its wrapper's buffer
-    reuse: a freed buffer goes to a pool, and the next allocation of its dtype and size
-    in the same program takes the one freed last). Only tensors a program allocates and
-    frees itself are pooled (forward and backward are programs of their own), not those
-    a kernel wrote into in place (``in_place``: each writer and its donor), which pass
-    their memory on already."""
+    dtype and size to take over (its wrapper's buffer reuse: a freed buffer goes to a
+    pool, and the next allocation of its dtype and size in the same program takes the one
+    freed last). Only tensors a program allocates and frees itself are pooled (forward
+    and backward are programs of their own), not those a kernel wrote into in place
+    (``in_place``: each writer and its donor), which pass their memory on already."""
     donors = set(in_place.values())
     events = []
     for root, at in start.items():
@@ -333,20 +326,19 @@ def _reuse_holds(
             continue
         key = (at < num_forward, value.dtype, tensor_bytes(value))
         if root not in in_place:
-            events.append((at, False, root, key))
+            events.append((at, False, key))
         dies = last_use[root]
         if root not in donors and (at < num_forward) == (dies < num_forward):
-            events.append((dies, True, root, key))
-    pools: dict[tuple[bool, torch.dtype, int], list[tuple[torch.fx.Node, int]]] = {}
-    held = {}
-    for at, freeing, root, key in sorted(events, key=lambda e: (e[0], e[1])):
+            events.append((dies, True, key))
+    pools: dict[tuple[bool, torch.dtype, int], list[int]] = {}  # where each was freed
+    held = []
+    for at, freeing, key in sorted(events, key=lambda e: (e[0], e[1])):
         pool = pools.setdefault(key, [])
         if freeing:
-            pool.append((root, at))
+            pool.append(at)
         elif pool:
-            donor, freed_at = pool.pop()
-            held[donor] = (freed_at, at)
-    return held
+            held.append(ReuseHold(pool.pop(), at, key[2]))
+    return tuple(held)
 
 
 def _writes_in_place(

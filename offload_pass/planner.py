@@ -22,9 +22,9 @@ keeps pace with them, a copy that would be waited for at forward's end is releas
 instead: compute does not wait for it, and its storage is freed once the copy has read
 it, under the next forward's compute. Where more is moved than the copy queues can carry
 in time (a share or a budget asks for it), every copy is waited for no later than where
-the copy ``OVERLAP_DEPTH`` later is produced, and a reload that would start before backward is
-issued ``OVERLAP_DEPTH`` reloads before its need: compute then waits for the queue
-either way, but holds only a few copies in flight, not all. A budget tries each depth of
+the copy ``OVERLAP_DEPTH`` later is produced, and a reload that would start before
+backward is issued ``OVERLAP_DEPTH`` reloads before its need: compute then waits for the
+queue either way, but holds only a few copies in flight, not all. A budget tries each depth of
 ``BUDGET_DEPTHS``: fewer copies in flight lower the peak, so fewer need to move, while
 more let compute run further ahead of the queue.
 

@@ -278,9 +278,10 @@ class MemoryTimeline:
     ) -> None:
         allocated = list(costs.allocated)
         freed = list(costs.freed)
-        for hold in () if transfers else costs.reuse_holds:
-            freed[hold.freed_at] -= hold.nbytes
-            allocated[hold.reused_at] -= hold.nbytes
+        if not transfers:  # Inductor's buffer reuse is on
+            for hold in costs.reuse_holds:
+                freed[hold.freed_at] -= hold.nbytes
+                allocated[hold.reused_at] -= hold.nbytes
         for t in transfers:
             if not t.released:
                 freed[t.wait_at] += t.nbytes
