@@ -13,7 +13,10 @@ in forward or backward, except where a fused kernel writes its result into an in
 reads for the last time; the chunk's inputs (parameters, the batch) are resident
 throughout, forward's outputs are held until forward returns (the caller drops them
 before backward, which takes their gradients), and backward's outputs (gradients) are
-kept to the end. Positions run over forward's nodes, then backward's.
+kept to the end. An op with several results writes them all where it runs, beside its
+inputs. A fused attention's backward also holds float32 accumulators while it runs
+(``ATTENTION_BACKWARD_ACCUMULATORS``). Positions run over forward's nodes, then
+backward's.
 """
 
 from __future__ import annotations
@@ -43,6 +46,17 @@ from offload_pass.graphs import (
 )
 from offload_pass.profiles import DeviceProfile
 from offload_pass.timing import NodeTimer, SettledTimer
+
+ATTENTION_BACKWARD_ACCUMULATORS = {
+    "_scaled_dot_product_cudnn_attention_backward": 1,
+    "_scaled_dot_product_efficient_attention_backward": 1,
+    "_scaled_dot_product_flash_attention_backward": 2,
+}
+"""Float32 copies of the query's gradient each CUDA attention backward holds while it
+runs (its accumulator), beside a float32 statistic per query row. Measured on an H100
+(torch 2.11, docs/gpu-validation.md, run 167): beyond its three gradients, each held
+exactly that at five shapes, from (4, 12, 197, 64) to (1, 32, 16384, 128). The CPU's
+kernel is not among them: the CPU's memory is not the device's."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +204,12 @@ def _memory_events(
     kernel_at = _kernel_positions(fused, position)
 
     def runs_at(node: torch.fx.Node) -> int:
-        return kernel_at.get(node, position[node])
+        if node in kernel_at:
+            return kernel_at[node]
+        source = node.args[0] if node.target is operator.getitem else None
+        if isinstance(source, torch.fx.Node) and source.op == "call_function":
+            return runs_at(source)  # one result of an op that writes them all at once
+        return position[node]
 
     def read_at(node: torch.fx.Node) -> int:
         """Where ``node`` reads its inputs: a fused node in each kernel it feeds."""
@@ -218,6 +237,10 @@ def _memory_events(
         nbytes = tensor_bytes(root.meta.get("val"))
         allocated[at] += nbytes
         freed[last_use[root]] += nbytes
+    for node, at in position.items():
+        nbytes = workspace_bytes(node)
+        allocated[at] += nbytes
+        freed[at] += nbytes
     # A kernel may write into a storage the step allocated, a saved value among them
     # (AOTAutograd donates those to backward), but not into backward's other inputs (the
     # tangents are the caller's), into what forward returns (not donated), or into a saved
@@ -256,6 +279,19 @@ def _memory_events(
     unread = (r for r in returned if last_use[r] == len(forward) - 1)  # by backward
     returned_bytes = sum(tensor_bytes(r.meta.get("val")) for r in unread)
     return tuple(allocated), tuple(freed), returned_bytes, holds
+
+
+def workspace_bytes(node: torch.fx.Node) -> int:
+    """What ``node``'s kernel holds only while it runs: a CUDA attention backward's
+    float32 accumulators (``ATTENTION_BACKWARD_ACCUMULATORS``); 0 for other nodes."""
+    target = node.target
+    name = getattr(getattr(target, "overloadpacket", None), "__name__", None)
+    copies = ATTENTION_BACKWARD_ACCUMULATORS.get(name, 0)
+    query = node.args[1].meta.get("val") if copies else None
+    if not isinstance(query, torch.Tensor):
+        return 0
+    rows = query.numel() // query.shape[-1]
+    return 4 * (copies * query.numel() + rows)
 
 
 def _kernel_positions(

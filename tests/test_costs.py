@@ -9,6 +9,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from offload_pass.costs import (
+    ATTENTION_BACKWARD_ACCUMULATORS,
     ReuseHold,
     _run_position,
     estimate_costs,
@@ -242,6 +243,53 @@ def test_a_kernel_runs_before_its_first_unfused_reader_only_once_its_inputs_are_
     assert _run_position(last=10, ready=3, before_first_read=5) == 5
     assert _run_position(last=10, ready=8, before_first_read=5) == 10
     assert _run_position(last=10, ready=3, before_first_read=11) == 10
+
+
+def _backward_of_attention(y, tangent):
+    """One head of six queries of eight attending to themselves, and the three gradients
+    of its backward, an op with three results."""
+    q = y.view(1, 1, 6, 8)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, q, q, 0.0, False)
+    grad_out = tangent.view(1, 1, 6, 8)
+    attention_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    return tuple(attention_backward(grad_out, q, q, q, out, lse, 0.0, False))
+
+
+def _attention_backward_position(chunk: ChunkGraphs) -> int:
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    return _position(chunk, chunk.backward.graph, op)
+
+
+def test_an_op_with_several_results_writes_them_all_where_it_runs():
+    """The three gradients are written by the kernel, beside its inputs, not where
+    the graph takes each result out of the tuple."""
+    chunk = _chunk(backward_fn=_backward_of_attention, tangent_shape=(6, 8))
+    costs = estimate_costs(chunk, PROFILE)
+    at = _attention_backward_position(chunk)
+    assert costs.allocated[at] == 3 * 192
+    assert costs.allocated[at + 1 : at + 4] == (0, 0, 0)  # the three getitems
+
+
+def test_an_attention_backward_holds_its_accumulators_while_it_runs(monkeypatch):
+    """Priced as the CUDA kernels are: float32 copies of the query's gradient and a
+    float32 statistic per query row, allocated and freed at the kernel."""
+    name = "_scaled_dot_product_flash_attention_for_cpu_backward"
+    chunk = _chunk(backward_fn=_backward_of_attention, tangent_shape=(6, 8))
+    at = _attention_backward_position(chunk)
+    without = estimate_costs(chunk, PROFILE)
+    monkeypatch.setitem(ATTENTION_BACKWARD_ACCUMULATORS, name, 2)
+    costs = estimate_costs(chunk, PROFILE)
+    accumulators = 4 * (2 * 48 + 6)
+    assert costs.allocated[at] - without.allocated[at] == accumulators
+    assert costs.freed[at] - without.freed[at] == accumulators
+    assert peak_bytes(costs, ()) == peak_bytes(without, ()) + accumulators
+
+
+@pytest.mark.parametrize("name", sorted(ATTENTION_BACKWARD_ACCUMULATORS))
+def test_each_attention_backward_priced_is_an_op_taking_the_query_second(name):
+    """Read by name, so a torch that renamed one would leave it unpriced."""
+    schema = getattr(torch.ops.aten, name).default._schema
+    assert schema.arguments[1].name == "query"
 
 
 def _backward_sin_and_cos(y, tangent):
