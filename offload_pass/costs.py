@@ -47,7 +47,7 @@ from offload_pass.graphs import (
 from offload_pass.profiles import DeviceProfile
 from offload_pass.timing import NodeTimer, SettledTimer
 
-ATTENTION_BACKWARD_ACCUMULATORS = {
+ATTENTION_BACKWARD_ACCUMULATORS: dict[str, int] = {
     "_scaled_dot_product_cudnn_attention_backward": 1,
     "_scaled_dot_product_efficient_attention_backward": 1,
     "_scaled_dot_product_flash_attention_backward": 2,
