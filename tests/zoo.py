@@ -274,6 +274,30 @@ class ViT(nn.Module):
         return self.head(self.ln(self.blocks(x))[:, 0])
 
 
+def mobilenet_v3() -> nn.Module:
+    """Depthwise convolutions, squeeze-and-excitation gates (a pooled mean scaling its
+    own input) and hard-swish activations."""
+    from torchvision.models import mobilenet_v3_small
+
+    return mobilenet_v3_small(num_classes=CLASSES, width_mult=0.5, dropout=0.0)
+
+
+def swin() -> nn.Module:
+    """Shifted-window attention: windows rolled across the image, masked where they wrap,
+    with a relative-position bias gathered from a table."""
+    from torchvision.models.swin_transformer import SwinTransformer
+
+    return SwinTransformer(
+        patch_size=[4, 4],
+        embed_dim=32,
+        depths=[2, 2],
+        num_heads=[2, 4],
+        window_size=[4, 4],
+        stochastic_depth_prob=0.0,
+        num_classes=CLASSES,
+    )
+
+
 ZOO: dict[str, Entry] = {
     "llama": Entry(llama, causal_lm_batch, hf_loss, "transformers"),
     "qwen2_gqa": Entry(qwen2_gqa, causal_lm_batch, hf_loss, "transformers"),
@@ -283,6 +307,8 @@ ZOO: dict[str, Entry] = {
     "mixtral": Entry(mixtral, causal_lm_batch, hf_loss, "transformers"),
     "resnet": Entry(channels_last_resnet, channels_last_image_batch, classifier_loss),
     "vit": Entry(ViT, image_batch, classifier_loss),
+    "mobilenet_v3": Entry(mobilenet_v3, image_batch, classifier_loss, "torchvision"),
+    "swin": Entry(swin, image_batch, classifier_loss, "torchvision"),
 }
 
 
