@@ -25,6 +25,8 @@ CASES = {
     "mixtral": zoo.ZOO["mixtral"],
     "llama": zoo.ZOO["llama"],
     "vit": zoo.ZOO["vit"],
+    "mobilenet_v3": zoo.ZOO["mobilenet_v3"],
+    "swin": zoo.ZOO["swin"],
 }
 SETTINGS = {"fraction_1": {"fraction": 1.0}, "auto": {}}
 BREAKS_ITS_GRAPH = {"mixtral"}
