@@ -31,11 +31,13 @@ class Split:
     ``checkpointed``: the module paths of the blocks backward computes again whole;
     ``recomputed``: the joint graph's nodes that backward computes again one by one, saved
     values of another split and the nodes they are computed from
-    (:mod:`offload_pass.recomputation`)."""
+    (:mod:`offload_pass.recomputation`); ``saved``: the nodes those are computed from that
+    cannot be computed again, saved in their place."""
 
     recompute_budget: float | None = None
     checkpointed: tuple[str, ...] = ()
     recomputed: tuple[str, ...] = ()
+    saved: tuple[str, ...] = ()
 
 
 def find_blocks(joint: torch.fx.GraphModule, num_forward_outputs: int) -> tuple[str, ...]:

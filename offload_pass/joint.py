@@ -83,6 +83,7 @@ from offload_pass.recomputation import (
     first_made_first,
     last_made_first,
     recomputable,
+    recomputing,
 )
 
 RECOMPUTE_LEVELS = (0.8, 0.6, 0.4, 0.2)
@@ -294,11 +295,10 @@ def _rounds(
         slowdown = prediction.step_seconds - prediction.baseline_seconds
         affordable = math.inf if chunk.budget_shortfall else slowdown
         wanted = VALUE_STEP * (chunk.budget_shortfall + moved)
-        names = cheapest(order(recomputable(planned)), wanted, affordable)
-        if not names:
+        taken = cheapest(order(recomputable(planned)), wanted, affordable)
+        if not taken:
             break
-        recomputed = tuple(dict.fromkeys(planned.split.recomputed + names))
-        tried = plan(dataclasses.replace(planned.split, recomputed=recomputed))
+        tried = plan(recomputing(planned.split, taken))
         if not _nearer_or_faster(tried, planned):
             break
         best = min(best, tried, key=_shortfall_then_step)
@@ -363,8 +363,8 @@ def _lowest_peak_in_time(
             best = checkpointing
     if not space.values:
         return best
-    recomputing = _values_recomputed_in_time(plan_at, stock, slowest)
-    return recomputing if _peak(recomputing) < _peak(best) else best
+    with_values = _values_recomputed_in_time(plan_at, stock, slowest)
+    return with_values if _peak(with_values) < _peak(best) else best
 
 
 def _values_recomputed_in_time(
@@ -375,10 +375,10 @@ def _values_recomputed_in_time(
     plan's step is within ``slowest``; else ``planned``."""
     spare = slowest - planned.planned.prediction.step_seconds
     kept = first_made_first([value for value in recomputable(planned) if not value.moved])
-    names = cheapest(kept, math.inf, spare)
-    if not names:
+    taken = cheapest(kept, math.inf, spare)
+    if not taken:
         return planned
-    tried = plan_at(dataclasses.replace(planned.split, recomputed=names))
+    tried = plan_at(recomputing(planned.split, taken))
     return tried if tried.planned.prediction.step_seconds <= slowest else planned
 
 

@@ -42,7 +42,7 @@ def stock_splits(
         recomputed = recomputed_regions(joint, kwargs["num_fwd_outputs"], split.checkpointed)
         after_blocks = len(split.checkpointed)
         recomputed.update((name, after_blocks) for name in split.recomputed if name not in held)
-        with _compat.partitioner_policies(joint, held, recomputed):
+        with _compat.partitioner_policies(joint, held.union(split.saved), recomputed):
             graphs = _compat.stock_partition(
                 joint,
                 joint_inputs,

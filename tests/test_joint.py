@@ -19,6 +19,7 @@ from offload_pass.joint import RECOMPUTE_LEVELS, SearchSpace, search_space
 from offload_pass.options import OffloadOptions
 from offload_pass.partition import stock_splits
 from offload_pass.profiles import BUILT_IN
+from offload_pass.recomputation import Recomputable
 from tests import models
 from tests.conftest import assert_same_step, compiled_pair, train_step
 
@@ -301,7 +302,9 @@ def _rounds_tried(monkeypatch, plans: list[PlannedChunk], slowest_ms: float) -> 
     each round's plan taken from ``plans`` in turn."""
     monkeypatch.setattr(joint_search, "recomputable", lambda planned: ["value"])
     names = iter(("a", "b", "c"))
-    monkeypatch.setattr(joint_search, "cheapest", lambda *_: (next(names),))
+    monkeypatch.setattr(
+        joint_search, "cheapest", lambda *_: (Recomputable((next(names),), 1, 0.0, False),)
+    )
     tried: list[Split] = []
 
     def plan(split: Split) -> PlannedChunk:

@@ -4,12 +4,15 @@ saves, and that the step still trains as the stock compile."""
 from __future__ import annotations
 
 import collections
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from offload_pass import _compat
+from offload_pass import _compat, recomputation
+from offload_pass import joint as joint_search
+from offload_pass.blocks import Split
 from offload_pass.joint import SearchSpace, search_space
 from offload_pass.options import OffloadOptions
 from offload_pass.recomputation import (
@@ -18,6 +21,8 @@ from offload_pass.recomputation import (
     cheapest,
     first_made_first,
     last_made_first,
+    recomputable,
+    recomputing,
 )
 from tests import models
 from tests.conftest import assert_same_step, compiled_pair, train_step
@@ -42,15 +47,28 @@ CANDIDATES = (
 )
 
 
+def _names(taken: tuple[Recomputable, ...]) -> list[str]:
+    return [name for value in taken for name in value.names]
+
+
 def test_the_cheapest_are_taken_until_their_bytes_reach_the_need():
-    assert cheapest(CANDIDATES, 150, seconds=100.0) == ("a", "b")
-    assert cheapest(CANDIDATES, 100, seconds=100.0) == ("a",)
+    assert _names(cheapest(CANDIDATES, 150, seconds=100.0)) == ["a", "b"]
+    assert _names(cheapest(CANDIDATES, 100, seconds=100.0)) == ["a"]
     assert cheapest(CANDIDATES, 0, seconds=100.0) == ()
 
 
 def test_none_is_taken_past_the_time_allowed():
-    assert cheapest(CANDIDATES, 300, seconds=3.0) == ("a", "b")
+    assert _names(cheapest(CANDIDATES, 300, seconds=3.0)) == ["a", "b"]
     assert cheapest(CANDIDATES, 300, seconds=0.5) == ()
+
+
+def test_a_split_recomputing_values_saves_what_they_are_computed_from_in_their_place():
+    taken = (
+        Recomputable(("a", "x"), 100, 1.0, moved=False, saved=("mean",)),
+        Recomputable(("b", "x"), 100, 1.0, moved=True, saved=("mean", "var")),
+    )
+    split = recomputing(Split(0.8, ("block",), ("c",), ("m",)), taken)
+    assert split == Split(0.8, ("block",), ("c", "a", "x", "b"), ("m", "mean", "var"))
 
 
 def _search_values_alone(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -198,14 +216,90 @@ def test_a_value_is_computed_again_from_what_is_saved_with_what_lies_between():
 
     nodes = _aten_graph(f, torch.randn(4, 4), torch.randn(4, 4))
     mm, relu, mul = nodes["mm"], nodes["relu"], nodes["mul"]
-    assert set(_computation(mm, saved=set())) == {mm, relu, mul}
-    assert set(_computation(mm, saved={relu})) == {mm}
+    needed, kept = _computation(mm, saved=set())
+    assert set(needed) == {mm, relu, mul} and kept == ()
+    assert _computation(mm, saved={relu}) == ((mm,), ())
 
 
-def test_a_value_computed_from_random_numbers_is_not_computed_again():
+def test_random_numbers_a_value_is_computed_from_are_saved_in_its_place():
     def f(x, w):
         return torch.mm(x * torch.rand_like(x), w)
 
     nodes = _aten_graph(f, torch.randn(4, 4), torch.randn(4, 4))
-    assert _computation(nodes["mm"], saved=set()) is None
-    assert _computation(nodes["mm"], saved={nodes["mul"]}) == (nodes["mm"],)
+    mm, mul, drawn = nodes["mm"], nodes["mul"], nodes["rand_like"]
+    assert _computation(mm, saved=set()) == ((mm, mul), (drawn,))
+    assert _computation(mm, saved={mul}) == ((mm,), ())
+    assert _computation(drawn, saved=set()) is None
+
+
+def test_a_norm_is_computed_again_from_its_saved_statistics():
+    """A norm's mean and variance come from one op with two results, which cannot be
+    computed again alone: its output is computed again from them, saved in its place."""
+
+    def f(x):
+        var, mean = torch.var_mean(x, dim=-1, keepdim=True)
+        return (x - mean) * torch.rsqrt(var + 1e-5)
+
+    nodes = _aten_graph(f, torch.randn(4, 8))
+    needed, kept = _computation(nodes["mul"], saved=set())
+    assert {n.target for n in needed} == {
+        torch.ops.aten.mul.Tensor,
+        torch.ops.aten.sub.Tensor,
+        torch.ops.aten.rsqrt.default,
+        torch.ops.aten.add.Tensor,
+    }
+    assert {n.name for n in kept} == {"getitem", "getitem_1"}
+
+
+def _saved_norm_output() -> SimpleNamespace:
+    """A planned chunk (what ``recomputable`` reads of one) whose split saves a norm's
+    output, 4 x 8 float32 values read by a product, and not the norm's statistics."""
+
+    def f(x, w):
+        var, mean = torch.var_mean(x, dim=-1, keepdim=True)
+        return torch.mm((x - mean) * torch.rsqrt(var + 1e-5), w)
+
+    graph = make_fx(f)(torch.randn(4, 8), torch.randn(8, 8)).graph
+    nodes = list(graph.nodes)
+    norm = next(n for n in nodes if n.target is torch.ops.aten.mm.default).args[0]
+    group = SimpleNamespace(
+        root=norm.name, members=(), produced_at=nodes.index(norm), fixed_reason=None, nbytes=128
+    )
+    return SimpleNamespace(
+        chunk=SimpleNamespace(forward=SimpleNamespace(graph=graph)),
+        planned=SimpleNamespace(decisions=(SimpleNamespace(group=group, moved=True),)),
+        split=Split(),
+        costs=SimpleNamespace(forward_seconds=[1.0] * len(nodes)),
+    )
+
+
+def test_a_norms_output_is_offered_with_its_statistics_saved_in_its_place():
+    (offered,) = recomputable(_saved_norm_output())
+    assert set(offered.saved) == {"getitem", "getitem_1"}
+    assert offered.nbytes == 128 - 2 * 4 * 4  # less the statistics' bytes
+    assert offered.seconds == 4.0  # sub, add, rsqrt and mul, each priced 1
+    assert offered.moved
+
+
+def test_values_computed_again_from_statistics_saved_in_their_place_train_as_the_stock_compile(
+    monkeypatch, values_alone
+):
+    """Inductor's layer norm takes its mean and variance from one op with two results,
+    which cannot be computed again alone. Offered only values whose computation stops at
+    such results, the search recomputes some, the split saves the results, and the step
+    trains as the stock compile."""
+    offered: list[Recomputable] = []
+
+    def computed_from_saved_statistics(planned):
+        found = [value for value in recomputation.recomputable(planned) if value.saved]
+        offered.extend(found)
+        return tuple(found)
+
+    monkeypatch.setattr(joint_search, "recomputable", computed_from_saved_statistics)
+    plan, steps, expected = _plan_under_slow_copies("inductor")
+    saved = {name for d in plan.decisions for name in (d.group.root, *d.group.members)}
+    taken = [value for value in offered if set(value.names) <= set(plan.recomputed_nodes)]
+    assert taken
+    assert all(set(value.saved) <= saved for value in taken)
+    for step, want in zip(steps, expected, strict=True):
+        assert_same_step(step, want)
