@@ -270,7 +270,8 @@ class MemoryTimeline:
 
     Inductor's buffer reuse holds buffers longer (``ChunkCosts.reuse_holds``) only where
     nothing moves: graphs that hold transfers are compiled with it off. What the timeline
-    answers for one transfer kept assumes the others still move.
+    answers for one transfer kept assumes the others still move; with the last one kept,
+    nothing moves, and the peak is the step's with the reuse on.
     """
 
     def __init__(
@@ -298,10 +299,14 @@ class MemoryTimeline:
         self.resident = costs.resident_bytes
         self.in_flight = in_flight
         self.num_forward = costs.num_forward
+        self.moving = {t.root for t in transfers}
+        self.unmoved_peak = (
+            MemoryTimeline(costs, (), in_flight).peak if transfers else self.peak_of(self.top)
+        )
 
     @property
     def peak(self) -> int:
-        return self.peak_of(self.top)
+        return self.peak_of(self.top) if self.moving else self.unmoved_peak
 
     def _add_kept(self, t: Transfer, nbytes: int) -> None:
         """Add ``nbytes`` wherever keeping ``t`` on the device holds it and moving it
@@ -316,6 +321,8 @@ class MemoryTimeline:
         self.held_between += nbytes
 
     def peak_without(self, t: Transfer) -> int:
+        if self.moving == {t.root}:
+            return self.unmoved_peak
         self._add_kept(t, t.nbytes)
         peak = self.peak_of(self.live.max(0, len(self.live)))
         self._add_kept(t, -t.nbytes)
@@ -327,6 +334,7 @@ class MemoryTimeline:
 
     def keep(self, t: Transfer) -> None:
         """Count ``t``'s storage as held on the device throughout."""
+        self.moving.discard(t.root)
         self._add_kept(t, t.nbytes)
         self.top = self.live.max(0, len(self.live))
 

@@ -362,6 +362,31 @@ def test_a_buffer_pooled_for_reuse_is_held_only_where_nothing_moves():
     assert MemoryTimeline(costs, (a0_moved,)).live.max(6, 7) == 0
 
 
+def test_with_the_last_transfer_kept_the_pool_is_held_again():
+    """Keeping the last transfer on the device switches Inductor's buffer reuse back on:
+    the peak without it is the step's with nothing moved and the pool held, here above
+    what the same timeline without the pool tops at."""
+    costs = chunk(THREE[:1])
+    allocated, freed = list(costs.allocated), list(costs.freed)
+    for at, nbytes in ((2, 5 * MB), (8, 5 * MB), (6, 3 * MB)):  # a 3 MB transient at 6
+        allocated[at] += nbytes
+        freed[at] += nbytes
+    costs = dataclasses.replace(
+        costs,
+        allocated=tuple(allocated),
+        freed=tuple(freed),
+        reuse_holds=(ReuseHold(2, 8, 5 * MB),),
+    )
+    a0_moved = Transfer("a0", 4 * MB, 0, 5, 9, 10)
+    unmoved = peak_bytes(costs, ())
+    assert unmoved == 4 * MB + 5 * MB + 3 * MB  # a0, the pool and the transient at 6
+    assert unmoved > peak_bytes(dataclasses.replace(costs, reuse_holds=()), ())
+    memory = MemoryTimeline(costs, (a0_moved,))
+    assert memory.peak_without(a0_moved) == unmoved
+    memory.keep(a0_moved)
+    assert memory.peak == unmoved
+
+
 def test_budget_moves_the_fewest_that_meet_it():
     # Moving a0 alone already lowers the peak from 12 MB to 8 MB.
     result = plan(THREE, budget=9 * MB)
