@@ -9,7 +9,7 @@ tolerance:
 
 1. the stock split with saved values recomputed, each with the nodes it is computed from
    (:mod:`offload_pass.recomputation`), those cheapest per byte freed, as many as its
-   plan moves and misses by, in rounds;
+   plan moves and misses by, in rounds, in three orders;
 2. the partitioner's knapsack under ``RECOMPUTE_LEVELS`` in turn (torch's
    ``activation_memory_budget``: the lower, the more it recomputes in backward, cheapest
    first);
@@ -25,8 +25,10 @@ a level's split took 2.7 to 4.1 times as long as the stock split). A level canno
 refined value by value either (its knapsack would save others in place of the values
 marked); the stock split can. Values of one price (the same op in every block) are
 taken in two orders, first made first, then last made first, each in its own rounds:
-which leaves the lower peak depends on where the step peaks. Each round takes a share
-(``VALUE_STEP``) of what is left to free.
+which leaves the lower peak depends on where the step peaks. A third order offers only
+the values computed from what the split saves already: one computed from what it newly
+saves, a norm's output from its statistics, can be held where backward peaks. Each round
+takes a share (``VALUE_STEP``) of what is left to free.
 
 The search keeps the plan that meets the budget predicted fastest, or where none meets it
 the one predicted nearest. It stops at the first plan that meets the budget within the
@@ -84,6 +86,7 @@ from offload_pass.recomputation import (
     last_made_first,
     recomputable,
     recomputing,
+    saving_nothing_more,
 )
 
 RECOMPUTE_LEVELS = (0.8, 0.6, 0.4, 0.2)
@@ -260,7 +263,8 @@ def _values_recomputed_for_budget(
     """The first plan meeting the budget within ``slowest``, else the fastest meeting
     it, else the nearest, of the rounds of values recomputed taking equals first made
     first, then last made first: which leaves the lower peak depends on where the step
-    peaks (``recomputation.last_made_first``)."""
+    peaks (``recomputation.last_made_first``); then those alone that save nothing more
+    (``recomputation.saving_nothing_more``)."""
     tried: dict[Split, PlannedChunk] = {}
 
     def plan_once(split: Split) -> PlannedChunk:
@@ -270,7 +274,7 @@ def _values_recomputed_for_budget(
         return tried[split]
 
     best = planned
-    for order in (first_made_first, last_made_first):
+    for order in (first_made_first, last_made_first, saving_nothing_more):
         best = min(best, _rounds(plan_once, planned, order, slowest), key=_shortfall_then_step)
         if _meets_budget_in_time(best, slowest):
             break

@@ -23,6 +23,7 @@ from offload_pass.recomputation import (
     last_made_first,
     recomputable,
     recomputing,
+    saving_nothing_more,
 )
 from tests import models
 from tests.conftest import assert_same_step, compiled_pair, train_step
@@ -203,6 +204,15 @@ def test_ties_in_price_are_broken_by_when_forward_made_them():
     made = (_candidate("a", 100, 1.0), _candidate("b", 100, 1.0), _candidate("c", 100, 0.5))
     assert [c.names for c in first_made_first(made)] == [("c",), ("a",), ("b",)]
     assert [c.names for c in last_made_first(made)] == [("c",), ("b",), ("a",)]
+
+
+def test_the_last_order_offers_only_values_that_save_nothing_more():
+    made = (
+        _candidate("a", 100, 1.0),
+        Recomputable(("norm",), 100, 0.1, moved=False, saved=("mean",)),
+        _candidate("b", 100, 0.5),
+    )
+    assert [c.names for c in saving_nothing_more(made)] == [("b",), ("a",)]
 
 
 def _aten_graph(f, *args: torch.Tensor) -> dict[str, torch.fx.Node]:
