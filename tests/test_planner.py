@@ -343,47 +343,45 @@ def test_bytes_moved_grow_with_fraction(tolerance):
     assert moved_bytes[0] == 0 and moved_bytes[-1] == total
 
 
-def test_a_buffer_pooled_for_reuse_is_held_only_where_nothing_moves():
-    """Inductor's buffer reuse keeps a freed buffer until a later one of its size takes
-    it; it is off in graphs that hold transfers (``_compat.TRANSFER_GRAPH_SETTINGS``)."""
+A0_MOVED = Transfer("a0", 4 * MB, 0, 5, 9, 10)
+
+
+def _pooled(transients: dict[int, int]) -> ChunkCosts:
+    """``a0``'s chunk with a 5 MB buffer freed after node 2 that Inductor's pool keeps
+    for another of its size made at 8, and ``transients`` (bytes made and freed at a
+    node)."""
     costs = chunk(THREE[:1])
     allocated, freed = list(costs.allocated), list(costs.freed)
-    for at in (2, 8):  # a 5 MB buffer freed after node 2, another of its size made at 8
-        allocated[at] += 5 * MB
-        freed[at] += 5 * MB
-    costs = dataclasses.replace(
+    for at, nbytes in {2: 5 * MB, 8: 5 * MB, **transients}.items():
+        allocated[at] += nbytes
+        freed[at] += nbytes
+    return dataclasses.replace(
         costs,
         allocated=tuple(allocated),
         freed=tuple(freed),
         reuse_holds=(ReuseHold(2, 8, 5 * MB),),
     )
-    a0_moved = Transfer("a0", 4 * MB, 0, 5, 9, 10)
+
+
+def test_a_buffer_pooled_for_reuse_is_held_only_where_nothing_moves():
+    """Inductor's buffer reuse keeps a freed buffer until a later one of its size takes
+    it; it is off in graphs that hold transfers (``_compat.TRANSFER_GRAPH_SETTINGS``)."""
+    costs = _pooled({})
     assert MemoryTimeline(costs, ()).live.max(6, 7) == 4 * MB + 5 * MB  # a0, the pool
-    assert MemoryTimeline(costs, (a0_moved,)).live.max(6, 7) == 0
+    assert MemoryTimeline(costs, (A0_MOVED,)).live.max(6, 7) == 0
 
 
 def test_with_the_last_transfer_kept_the_pool_is_held_again():
     """Keeping the last transfer on the device switches Inductor's buffer reuse back on:
     the peak without it is the step's with nothing moved and the pool held, here above
     what the same timeline without the pool tops at."""
-    costs = chunk(THREE[:1])
-    allocated, freed = list(costs.allocated), list(costs.freed)
-    for at, nbytes in ((2, 5 * MB), (8, 5 * MB), (6, 3 * MB)):  # a 3 MB transient at 6
-        allocated[at] += nbytes
-        freed[at] += nbytes
-    costs = dataclasses.replace(
-        costs,
-        allocated=tuple(allocated),
-        freed=tuple(freed),
-        reuse_holds=(ReuseHold(2, 8, 5 * MB),),
-    )
-    a0_moved = Transfer("a0", 4 * MB, 0, 5, 9, 10)
+    costs = _pooled({6: 3 * MB})
     unmoved = peak_bytes(costs, ())
     assert unmoved == 4 * MB + 5 * MB + 3 * MB  # a0, the pool and the transient at 6
     assert unmoved > peak_bytes(dataclasses.replace(costs, reuse_holds=()), ())
-    memory = MemoryTimeline(costs, (a0_moved,))
-    assert memory.peak_without(a0_moved) == unmoved
-    memory.keep(a0_moved)
+    memory = MemoryTimeline(costs, (A0_MOVED,))
+    assert memory.peak_without(A0_MOVED) == unmoved
+    memory.keep(A0_MOVED)
     assert memory.peak == unmoved
 
 
