@@ -299,14 +299,21 @@ class MemoryTimeline:
         self.resident = costs.resident_bytes
         self.in_flight = in_flight
         self.num_forward = costs.num_forward
+        self.costs = costs
         self.moving = {t.root for t in transfers}
-        self.unmoved_peak = (
-            MemoryTimeline(costs, (), in_flight).peak if transfers else self.peak_of(self.top)
-        )
+        self.reuse_off = bool(transfers)
 
     @property
     def peak(self) -> int:
-        return self.peak_of(self.top) if self.moving else self.unmoved_peak
+        if self.reuse_off and not self.moving:
+            return self.unmoved_peak
+        return self.peak_of(self.top)
+
+    @functools.cached_property
+    def unmoved_peak(self) -> int:
+        """The step's peak with nothing moved and Inductor's buffer reuse on: built only
+        where every transfer may be kept, not on each timeline the planner makes."""
+        return MemoryTimeline(self.costs, (), self.in_flight).peak
 
     def _add_kept(self, t: Transfer, nbytes: int) -> None:
         """Add ``nbytes`` wherever keeping ``t`` on the device holds it and moving it
