@@ -85,3 +85,18 @@ def test_training_matches_the_stock_compile(name, setting, references):
     zoo.assert_within(steps, ref.stock, ref.spread)
     assert sum(plan.bytes_moved for plan in backend.plans) > 0
     assert all(zoo.compiled_symbolically(plan) for plan in backend.plans)
+
+
+def test_the_rounding_bound_holds_stock_runs_and_catches_swapped_steps():
+    """``zoo.rounding_bound``, the CUDA zoo tests' tolerance, admits a stock run and
+    rejects steps given another step's gradients, as a backward handed another
+    microbatch's saved tensors would be."""
+    entry = zoo.ZOO["vit"]
+    model = entry.model()
+    stock, eager = (zoo.train(copy.deepcopy(model), entry, name) for name in ("aot_eager", "eager"))
+    exact = zoo.train_in_float64(copy.deepcopy(model), entry)
+    allowed = zoo.rounding_bound(stock, [eager], exact)
+
+    zoo.assert_within(eager, stock, allowed)
+    with pytest.raises(AssertionError):
+        zoo.assert_within([stock[1], stock[0], *stock[2:]], stock, allowed)

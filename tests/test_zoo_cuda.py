@@ -1,6 +1,13 @@
 """Zoo models trained on CUDA, where the copies run on side streams and Inductor lays out
-convolutions as it likes: gradients as close to stock Inductor's as two stock compilers
-are to each other, with activations moved in a compile of symbolic sizes."""
+convolutions as it likes: with activations moved in a compile of symbolic sizes, gradients
+as close to stock Inductor's as rounding allows, measured by how far the stock compilers
+land from the same steps in float64.
+
+Two stock compilers can agree more closely than either is exact: where the transfers
+split a fusion, Inductor sums a large reduction in another order, which moves its result
+by as much as a stock compiler's own rounding. On an H100, MobileNetV3's stem gradients
+moved 1.4 and 2.1 times as far from stock Inductor's as aot_eager's did
+(docs/gpu-validation.md, tenth session of 2026-12-07)."""
 
 from __future__ import annotations
 
@@ -49,7 +56,8 @@ def full_float32_precision():
 
 @pytest.fixture(scope="module")
 def stock_runs() -> dict[str, tuple[list[zoo.Step], list[zoo.Step]]]:
-    """Per model: stock Inductor's steps, and how far stock aot_eager's are from them."""
+    """Per model: stock Inductor's steps, and how far rounding may move a run from them
+    (``zoo.rounding_bound``: stock Inductor and aot_eager against float64 eager)."""
     return {}
 
 
@@ -63,12 +71,13 @@ def test_zoo_model_trains_on_cuda_like_stock_inductor(name, setting, stock_runs)
     if name not in stock_runs:
         stock = zoo.train(copy.deepcopy(model), entry, "inductor", "cuda")
         other_stock = zoo.train(copy.deepcopy(model), entry, "aot_eager", "cuda")
-        stock_runs[name] = stock, zoo.largest_error(other_stock, stock)
-    stock, spread = stock_runs[name]
+        exact = zoo.train_in_float64(copy.deepcopy(model), entry, "cuda")
+        stock_runs[name] = stock, zoo.rounding_bound(stock, [other_stock], exact)
+    stock, allowed = stock_runs[name]
     backend = offload_pass.backend(min_bytes=0, **SETTINGS[setting])
     offloaded = zoo.train(copy.deepcopy(model), entry, backend, "cuda")
 
-    zoo.assert_within(offloaded, stock, spread)
+    zoo.assert_within(offloaded, stock, allowed)
     if name not in BREAKS_ITS_GRAPH:
         assert all(zoo.compiled_symbolically(plan) for plan in backend.plans)
     if "fraction" in SETTINGS[setting]:

@@ -349,8 +349,40 @@ def train(model: nn.Module, entry: Entry, backend: object, device: str = "cpu") 
     return steps
 
 
+def train_in_float64(model: nn.Module, entry: Entry, device: str = "cpu") -> list[Step]:
+    """``STEPS`` eager steps of ``model`` and its batches in float64: the values that
+    float32 runs round."""
+    model = model.to(device, torch.float64)
+    steps = []
+    for k in range(STEPS):
+        batch = {
+            name: value.to(device, torch.float64) if value.is_floating_point() else value.to(device)
+            for name, value in entry.make_batch(k).items()
+        }
+        loss = entry.loss(model, batch)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        steps.append({"loss": loss.detach(), **grads})
+        model.zero_grad(set_to_none=True)
+    return steps
+
+
 def largest_error(a: list[Step], b: list[Step]) -> list[Step]:
     return [{k: (x[k] - y[k]).abs().max() for k in x} for x, y in zip(a, b, strict=True)]
+
+
+def rounding_bound(stock: list[Step], others: list[list[Step]], exact: list[Step]) -> list[Step]:
+    """Per tensor, how far a float32 run may land from ``stock`` by rounding alone:
+    ``stock``'s own error against the float64 run ``exact``, plus the largest error of
+    the stock runs (``stock`` and ``others``). A run whose error is no larger than the
+    least exact stock run's lands within that sum (the triangle inequality); a value read
+    from the wrong buffer or before its copy ends is off by the value itself."""
+    stock_error = largest_error(stock, exact)
+    errors = [stock_error, *(largest_error(other, exact) for other in others)]
+    return [
+        {k: own[k] + max(error[k] for error in step_errors) for k in own}
+        for own, *step_errors in zip(stock_error, *errors, strict=True)
+    ]
 
 
 def assert_within(steps: list[Step], stock: list[Step], spread: list[Step]) -> None:
