@@ -63,6 +63,26 @@ def seq2seq_batch(step: int) -> Batch:
     return {"input_ids": ids, "labels": _tokens(2, SEQ_LENS[step] // 2, gen)}
 
 
+def padded_causal_lm_batch(step: int) -> Batch:
+    """Three rows, the second padded on the right and the third on the left, their
+    padding masked and left out of the loss."""
+    gen = _generator(step)
+    seq = SEQ_LENS[step]
+    ids = _tokens(3, seq, gen)
+    mask = torch.ones(3, seq, dtype=torch.long)
+    mask[1, seq - 5 :] = 0
+    mask[2, :3] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": torch.where(mask.bool(), ids, -100)}
+
+
+def speech_batch(step: int) -> Batch:
+    """Log-mel frames (16 bins, 32 frames) and target tokens, the batch changing size."""
+    gen = _generator(step)
+    n = IMAGE_BATCHES[step]
+    frames = torch.randn(n, 16, 32, generator=gen)
+    return {"input_features": frames, "labels": _tokens(n, SEQ_LENS[step] // 2, gen)}
+
+
 def hf_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     return model(**batch).loss
 
@@ -138,6 +158,65 @@ def mixtral() -> nn.Module:
         router_jitter_noise=0.0,
     )
     return MixtralForCausalLM(config)
+
+
+def mistral() -> nn.Module:
+    """Sliding-window attention over a window shorter than the sequences."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(**_decoder_sizes(), num_key_value_heads=2, sliding_window=8)
+    return MistralForCausalLM(config)
+
+
+def gemma2() -> nn.Module:
+    """Soft-capped attention and output logits, local and global layers in turn."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    sizes = {**_decoder_sizes(), "attn_implementation": "eager"}
+    config = Gemma2Config(
+        **sizes,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=8,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        query_pre_attn_scalar=16,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return Gemma2ForCausalLM(config)
+
+
+def whisper() -> nn.Module:
+    """A speech encoder (convolutions over log-mel frames) and a text decoder with
+    cross-attention."""
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    config = WhisperConfig(
+        vocab_size=VOCAB,
+        num_mel_bins=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        d_model=64,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        max_source_positions=16,
+        max_target_positions=64,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=1,
+        suppress_tokens=None,
+        begin_suppress_tokens=None,
+        attn_implementation="sdpa",
+    )
+    return WhisperForConditionalGeneration(config)
 
 
 def gpt2() -> nn.Module:
@@ -282,6 +361,20 @@ def mobilenet_v3() -> nn.Module:
     return mobilenet_v3_small(num_classes=CLASSES, width_mult=0.5, dropout=0.0)
 
 
+def densenet() -> nn.Module:
+    """Dense blocks: each layer's input is the concatenation of every output before it."""
+    from torchvision.models import DenseNet
+
+    return DenseNet(
+        growth_rate=8,
+        block_config=(2, 2, 2),
+        num_init_features=16,
+        bn_size=2,
+        drop_rate=0.0,
+        num_classes=CLASSES,
+    )
+
+
 def swin() -> nn.Module:
     """Shifted-window attention: windows rolled across the image, masked where they wrap,
     with a relative-position bias gathered from a table."""
@@ -305,10 +398,14 @@ ZOO: dict[str, Entry] = {
     "bert": Entry(bert, masked_lm_batch, hf_loss, "transformers"),
     "t5": Entry(t5, seq2seq_batch, hf_loss, "transformers"),
     "mixtral": Entry(mixtral, causal_lm_batch, hf_loss, "transformers"),
+    "mistral": Entry(mistral, padded_causal_lm_batch, hf_loss, "transformers"),
+    "gemma2": Entry(gemma2, padded_causal_lm_batch, hf_loss, "transformers"),
+    "whisper": Entry(whisper, speech_batch, hf_loss, "transformers"),
     "resnet": Entry(channels_last_resnet, channels_last_image_batch, classifier_loss),
     "vit": Entry(ViT, image_batch, classifier_loss),
     "mobilenet_v3": Entry(mobilenet_v3, image_batch, classifier_loss, "torchvision"),
     "swin": Entry(swin, image_batch, classifier_loss, "torchvision"),
+    "densenet": Entry(densenet, image_batch, classifier_loss, "torchvision"),
 }
 
 
