@@ -169,7 +169,8 @@ def mistral() -> nn.Module:
 
 
 def gemma2() -> nn.Module:
-    """Soft-capped attention and output logits, local and global layers in turn."""
+    """Soft-capped attention and output logits, local and global layers in turn; eager
+    attention, as SDPA has no soft cap."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     sizes = {**_decoder_sizes(), "attn_implementation": "eager"}
