@@ -471,10 +471,11 @@ def largest_error(a: list[Step], b: list[Step]) -> list[Step]:
 
 ROUNDING_MARGIN = 2.0
 """How many times the least exact stock run's error a run may have by rounding alone.
-Where a gradient cancels to nearly nothing (a norm's bias feeding a normalization), every
-run's value is rounding noise, and another summation order's noise is as often larger as
-smaller: on an H100, MobileNetV3's gradients under fraction 1 landed up to 2.2 times as far
-from float64 as stock Inductor's and aot_eager's did (docs/gpu-validation.md)."""
+Where a gradient is nothing in exact arithmetic (a BatchNorm's bias whose output reaches
+the loss only through further batch norms, which take any shift out), every run's value
+is rounding noise, and another summation order's noise is as often larger as smaller: on
+an H100, MobileNetV3's gradients under fraction 1 landed up to 2.2 times as far from
+float64 as stock Inductor's and aot_eager's did (docs/gpu-validation.md)."""
 
 
 def rounding_bound(stock: list[Step], others: list[list[Step]], exact: list[Step]) -> list[Step]:
