@@ -436,13 +436,7 @@ def train(model: nn.Module, entry: Entry, backend: object, device: str = "cpu") 
         for k in range(STEPS)
     ]
     _mark_varying_sizes(batches)
-    steps = []
-    for batch in batches:
-        loss = entry.loss(compiled, batch)
-        loss.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        steps.append({"loss": loss.detach(), **grads})
-        model.zero_grad(set_to_none=True)
+    steps = _steps(model, compiled, entry, batches)
     torch.compiler.reset()
     return steps
 
@@ -451,13 +445,22 @@ def train_in_float64(model: nn.Module, entry: Entry, device: str = "cpu") -> lis
     """``STEPS`` eager steps of ``model`` and its batches in float64: the values that
     float32 runs round."""
     model = model.to(device, torch.float64)
-    steps = []
-    for k in range(STEPS):
-        batch = {
+    batches = [
+        {
             name: value.to(device, torch.float64) if value.is_floating_point() else value.to(device)
             for name, value in entry.make_batch(k).items()
         }
-        loss = entry.loss(model, batch)
+        for k in range(STEPS)
+    ]
+    return _steps(model, model, entry, batches)
+
+
+def _steps(model: nn.Module, run: nn.Module, entry: Entry, batches: list[Batch]) -> list[Step]:
+    """One training step per batch through ``run`` (``model`` or a compile of it): each
+    step's loss and every gradient of ``model``'s parameters."""
+    steps = []
+    for batch in batches:
+        loss = entry.loss(run, batch)
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         steps.append({"loss": loss.detach(), **grads})
