@@ -57,7 +57,7 @@ class CodePeak:
 def generated_code(gm: torch.fx.GraphModule, is_backward: bool) -> str:
     inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
     with detect_fake_mode(inputs):
-        compile_graph = _compat.inductor_graph_compiler(ops.holds_transfers)
+        compile_graph = _compat.inductor_graph_compiler(ops.holds_transfers, ops.RELOAD)
         return compile_graph(gm, inputs, is_backward=is_backward).source_code
 
 

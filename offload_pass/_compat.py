@@ -241,10 +241,12 @@ def compile_with_inductor(
     example_inputs: Sequence[object],
     partitioner: CustomPartitionerFn,
     holds_transfers: Callable[[torch.fx.GraphModule], bool],
+    reload_op: object,
     config: dict[str, Any],
 ) -> Callable[..., Any]:
     """Inductor with ``partitioner`` in place of its own, under ``config`` (from
-    :func:`inductor_config`).
+    :func:`inductor_config`); ``holds_transfers`` and ``reload_op`` as
+    :func:`inductor_graph_compiler` takes them.
 
     Compile caches are off for these graphs: a cached graph would skip the partitioner,
     and with it the current plan (fractions change between compiles).
@@ -256,7 +258,7 @@ def compile_with_inductor(
         return compile_fx(
             gm,
             example_inputs,
-            inner_compile=inductor_graph_compiler(holds_transfers),
+            inner_compile=inductor_graph_compiler(holds_transfers, reload_op),
             config_patches=patches,
         )
 
@@ -305,22 +307,66 @@ last use, as the cost model assumes."""
 
 
 def inductor_graph_compiler(
-    holds_transfers: Callable[[torch.fx.GraphModule], bool],
+    holds_transfers: Callable[[torch.fx.GraphModule], bool], reload_op: object
 ) -> Callable[..., Any]:
     """Inductor's per-graph compile, with ``TRANSFER_GRAPH_SETTINGS`` in graphs that hold
-    transfers. Under CUDA graphs it warns what they do to those graphs
-    (:func:`cuda_graph_caveat`)."""
+    transfers, and there each call of ``reload_op`` issued where the graph places it
+    (:func:`reloads_issued_where_placed`). Under CUDA graphs it warns what they do to
+    those graphs (:func:`cuda_graph_caveat`)."""
     from torch._inductor import compile_fx, config
 
     def compile_graph(graph: torch.fx.GraphModule, inputs: Sequence[object], **kwargs: Any) -> Any:
-        transfers = holds_transfers(graph)
-        caveat = cuda_graph_caveat(config) if transfers else None
+        if not holds_transfers(graph):
+            return compile_fx.compile_fx_inner(graph, inputs, **kwargs)
+        caveat = cuda_graph_caveat(config)
         if caveat:
             warnings.warn(f"offload_pass: {caveat}", stacklevel=2)
-        with config.patch(TRANSFER_GRAPH_SETTINGS if transfers else {}):
+        after_fusion = functools.partial(
+            reloads_issued_where_placed, reload_op, config._post_fusion_custom_pass
+        )
+        with config.patch({**TRANSFER_GRAPH_SETTINGS, "_post_fusion_custom_pass": after_fusion}):
             return compile_fx.compile_fx_inner(graph, inputs, **kwargs)
 
     return compile_graph
+
+
+def reloads_issued_where_placed(
+    reload_op: object,
+    earlier_pass: Callable[[list[Any]], list[Any]] | None,
+    nodes: list[Any],
+) -> list[Any]:
+    """Inductor's scheduler nodes after fusion (``_post_fusion_custom_pass``, after
+    ``earlier_pass``, one already set), with each call of ``reload_op`` moved back to
+    right after the last node it reads: where the rewrite placed it, after the values in
+    its ``after`` list.
+
+    Fusion orders a fused kernel by its earliest node and runs everything it reads before
+    it. A kernel that fuses a reduction planned early with work planned after a reload so
+    pulls that work, and what it reads, ahead of the reload. The copy then starts only
+    when compute reaches it, and the next kernels wait for all of it: in a block of Llama
+    at 16k tokens, Inductor issued the reload of the first norm's output after the
+    attention backward it was placed to run under, and each block's backward waited its
+    whole 1.2 ms copy (docs/gpu-validation.md, run 184). Moving a reload earlier keeps the
+    order valid: it stays after what it reads, and everything reading it followed it.
+    Reloads keep their order among themselves, the order of their queue."""
+    if earlier_pass is not None:
+        nodes = list(earlier_pass(nodes))
+    position = {name: i for i, node in enumerate(nodes) for name in node.get_buffer_names()}
+    slot: dict[int, int] = {}  # each reload's index -> the index of the node it follows
+    behind: dict[int, list[Any]] = {}
+    floor = -1
+    for i, node in enumerate(nodes):
+        if getattr(getattr(node, "node", None), "op_overload", None) is not reload_op:
+            continue
+        read = [position[d.name] for d in node.unmet_dependencies if d.name in position]
+        floor = max([floor, *(slot.get(j, j) for j in read)])
+        slot[i] = floor
+        behind.setdefault(floor, []).append(node)
+    placed = behind.get(-1, [])
+    for i, node in enumerate(nodes):
+        if i not in slot:
+            placed += [node, *behind.get(i, [])]
+    return placed
 
 
 def cuda_graph_caveat(inductor_config: Any) -> str | None:

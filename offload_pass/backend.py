@@ -193,7 +193,7 @@ class OffloadBackend:
         else:
             _compat.lower_with_aligned_outputs(ops.RELOAD_WAIT)
             compiled = _compat.compile_with_inductor(
-                gm, example_inputs, partitioner, ops.holds_transfers, config
+                gm, example_inputs, partitioner, ops.holds_transfers, ops.RELOAD, config
             )
         return self._timed_forward(compiled, partitioner.name)
 

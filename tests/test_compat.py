@@ -279,8 +279,8 @@ def test_reordering_and_buffer_reuse_are_off_only_in_graphs_with_transfers(monke
         lambda: (config.reorder_for_peak_memory, config.allow_buffer_reuse),
     )
     with config.patch(reorder_for_peak_memory=True, allow_buffer_reuse=True):
-        assert _compat.inductor_graph_compiler(lambda graph: True)(None, []) == "compiled"
-        assert _compat.inductor_graph_compiler(lambda graph: False)(None, []) == "compiled"
+        assert _compat.inductor_graph_compiler(lambda graph: True, None)(None, []) == "compiled"
+        assert _compat.inductor_graph_compiler(lambda graph: False, None)(None, []) == "compiled"
     assert seen == [(False, False), (True, True)]
 
 
@@ -325,10 +325,10 @@ def test_graphs_with_transfers_warn_under_cuda_graphs(monkeypatch):
     monkeypatch.setattr(compile_fx, "compile_fx_inner", lambda graph, inputs, **kw: "compiled")
     with config.patch({"triton.cudagraphs": True}):
         with pytest.warns(UserWarning, match="offload_pass: .*CUDA graphs"):
-            _compat.inductor_graph_compiler(lambda graph: True)(None, [])
+            _compat.inductor_graph_compiler(lambda graph: True, None)(None, [])
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            _compat.inductor_graph_compiler(lambda graph: False)(None, [])
+            _compat.inductor_graph_compiler(lambda graph: False, None)(None, [])
 
 
 def test_inductor_config_of_a_mode_and_options():

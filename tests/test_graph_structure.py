@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 import re
 
@@ -266,6 +267,46 @@ def test_inductor_issues_each_transfer_where_the_plan_placed_it():
     assert _code_matmuls_before(backward_code, "offload_pass.reload.default(") == reloads
     waits = _matmuls_before(plan.forward.graph, ops.OFFLOAD_WAIT)
     assert sorted(_code_matmuls_before(forward_code, "offload_wait.default(")) == sorted(waits)
+
+
+def _sink_reloads(sunk: list[str], nodes: list) -> list:
+    """What fusion did to a reload on CUDA (a fused kernel pulled the work planned after
+    it ahead of it): each reload, with the nodes right after it that take its result
+    apart, moved down to right before the first other node reading it."""
+    nodes = list(nodes)
+    for reload in [n for n in nodes if getattr(n.node, "op_overload", None) is ops.RELOAD]:
+        start = end = nodes.index(reload)
+        names = set(reload.get_buffer_names())
+        reads = [{d.name for d in n.unmet_dependencies} for n in nodes]
+        while end + 1 < len(nodes) and reads[end + 1] and reads[end + 1] <= names:
+            end += 1
+            names |= set(nodes[end].get_buffer_names())
+        reader = next(k for k in range(end + 1, len(nodes)) if names & reads[k])
+        if reader > end + 1:
+            nodes[start:reader] = nodes[end + 1 : reader] + nodes[start : end + 1]
+            sunk.append(reload.get_name())
+    return nodes
+
+
+def test_reloads_issue_where_placed_after_a_scheduler_pass_sinks_them():
+    """Whatever order Inductor's scheduler reaches after fusion (here a pass of the user's
+    that sinks every reload to its first reader), the code starts each reload where the
+    plan placed it."""
+    from torch._inductor import config
+
+    slow_reloads = dataclasses.replace(BUILT_IN["h200"], host_to_device=1e9)
+    model, _, backend = compiled_pair(
+        lambda: models.BlockStack(depth=3), "inductor", fraction=1.0, profile=slow_reloads
+    )
+    sunk: list[str] = []
+    with config.patch(_post_fusion_custom_pass=functools.partial(_sink_reloads, sunk)):
+        _, (_, backward_code) = run_and_get_code(lambda: train_step(model, torch.randn(2, 16, 32)))
+    backward = backend.plans[0].backward.graph
+    reloads = _matmuls_before(backward, ops.RELOAD)
+    waits = _matmuls_before(backward, ops.RELOAD_WAIT)
+    assert sum(waits) > sum(reloads), "reloads should be placed matrix products before use"
+    assert sunk, "the sinking pass should have moved reloads"
+    assert _code_matmuls_before(backward_code, "offload_pass.reload.default(") == reloads
 
 
 _FUSED = {torch.Tag.pointwise, torch.Tag.reduction}
