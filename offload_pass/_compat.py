@@ -356,7 +356,8 @@ def reloads_issued_where_placed(
     behind: dict[int, list[Any]] = {}
     floor = -1
     for i, node in enumerate(nodes):
-        if getattr(getattr(node, "node", None), "op_overload", None) is not reload_op:
+        op = getattr(getattr(node, "node", None), "op_overload", None)
+        if op is None or op is not reload_op:
             continue
         read = [position[d.name] for d in node.unmet_dependencies if d.name in position]
         floor = max([floor, *(slot.get(j, j) for j in read)])

@@ -284,6 +284,60 @@ def test_reordering_and_buffer_reuse_are_off_only_in_graphs_with_transfers(monke
     assert seen == [(False, False), (True, True)]
 
 
+def _scheduler_node(name: str, reads: tuple[str, ...] = (), op: object = None):
+    """A stand-in for one of Inductor's scheduler nodes: the buffer it writes (its name),
+    the buffers it reads, and the op it calls."""
+    return types.SimpleNamespace(
+        name=name,
+        node=types.SimpleNamespace(op_overload=op),
+        get_buffer_names=lambda: [name],
+        unmet_dependencies=[types.SimpleNamespace(name=read) for read in reads],
+    )
+
+
+def test_each_reload_moves_to_right_after_what_it_reads_in_its_own_order():
+    reload = object()
+    nodes = [
+        _scheduler_node("first", op=reload),  # reads only backward's inputs
+        _scheduler_node("token"),
+        _scheduler_node("pulled_ahead", ("token",)),
+        _scheduler_node("planned_after", ("token",), reload),
+        _scheduler_node("other_token"),
+        _scheduler_node("earlier_read", ("token",), reload),  # stays behind the one before
+        _scheduler_node("late", ("other_token",), reload),
+    ]
+    placed = _compat.reloads_issued_where_placed(reload, None, nodes)
+    assert [n.name for n in placed] == [
+        "first",
+        "token",
+        "planned_after",
+        "earlier_read",
+        "pulled_ahead",
+        "other_token",
+        "late",
+    ]
+
+
+def test_a_scheduler_pass_already_set_runs_first_and_alone_where_nothing_moves(monkeypatch):
+    from torch._inductor import compile_fx, config
+
+    seen = _record_setting(
+        monkeypatch, compile_fx, "compile_fx_inner", lambda: config._post_fusion_custom_pass
+    )
+
+    def users_pass(nodes):
+        return [*nodes, _scheduler_node("added by the user's pass", ("b",))]
+
+    reload = object()
+    with config.patch(_post_fusion_custom_pass=users_pass):
+        _compat.inductor_graph_compiler(lambda graph: True, reload)(None, [])
+        _compat.inductor_graph_compiler(lambda graph: False, reload)(None, [])
+    with_transfers, without = seen
+    assert without is users_pass
+    nodes = [_scheduler_node("a"), _scheduler_node("b", ("a",)), _scheduler_node("r", (), reload)]
+    assert [n.name for n in with_transfers(nodes)] == ["r", "a", "b", "added by the user's pass"]
+
+
 def _inductor_settings(cudagraphs: bool, **settings: bool) -> types.SimpleNamespace:
     return types.SimpleNamespace(triton=types.SimpleNamespace(cudagraphs=cudagraphs), **settings)
 
