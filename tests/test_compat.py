@@ -303,7 +303,7 @@ def test_each_reload_moves_to_right_after_what_it_reads_in_its_own_order():
         _scheduler_node("pulled_ahead", ("token",)),
         _scheduler_node("planned_after", ("token",), reload),
         _scheduler_node("other_token"),
-        _scheduler_node("earlier_read", ("token",), reload),  # stays behind the one before
+        _scheduler_node("reads_nothing", (), reload),  # stays behind the reload before it
         _scheduler_node("late", ("other_token",), reload),
     ]
     placed = _compat.reloads_issued_where_placed(reload, None, nodes)
@@ -311,7 +311,7 @@ def test_each_reload_moves_to_right_after_what_it_reads_in_its_own_order():
         "first",
         "token",
         "planned_after",
-        "earlier_read",
+        "reads_nothing",
         "pulled_ahead",
         "other_token",
         "late",
