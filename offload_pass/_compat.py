@@ -582,6 +582,12 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def at_backward_end(callback: Callable[[], None]) -> None:
+    """Have autograd's engine call ``callback`` once the backward running on this thread
+    is done (call it from inside that backward)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
 def discard_compiled_code(code: types.CodeType) -> None:
     """Drop what Dynamo compiled for ``code``, so that its next call compiles again."""
     from torch._C._dynamo.eval_frame import reset_code

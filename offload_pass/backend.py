@@ -22,7 +22,7 @@ from offload_pass.options import (
 )
 from offload_pass.partition import OffloadPartitioner
 from offload_pass.plan import Plan
-from offload_pass.profiles import DeviceProfile
+from offload_pass.profiles import UNMEASURED, DeviceProfile, HostScale
 
 
 def _module_paths(gm: torch.fx.GraphModule) -> set[str]:
@@ -41,7 +41,7 @@ class OffloadBackend:
     def __init__(self, options: OffloadOptions) -> None:
         self.options = options
         self._compiled: dict[str, tuple[types.CodeType | None, Plan]] = {}
-        self.host_scales: dict[types.CodeType, float] = {}
+        self.host_scales: dict[types.CodeType, HostScale] = {}
         """The host's price over the profile's, by frame, where ``auto`` measured it on
         a chunk's first steps (:mod:`offload_pass.host_clock`); the frame's later
         compiles plan at it, and are not measured again."""
@@ -50,6 +50,7 @@ class OffloadBackend:
         frame, where ``auto`` measured the host there; the frame's later compiles plan
         for that many in place of ``in_flight_microbatches``."""
         self._with_forwards: dict[int, OffloadBackend] = {}
+        self._backward_spans = host_clock.BackwardSpans()
 
     @property
     def plans(self) -> list[Plan]:
@@ -80,6 +81,7 @@ class OffloadBackend:
         derived._compiled = self._compiled
         derived.host_scales = self.host_scales
         derived.forwards_in_flight = self.forwards_in_flight
+        derived._backward_spans = self._backward_spans
         self._with_forwards[count] = derived
         return derived
 
@@ -97,7 +99,7 @@ class OffloadBackend:
             self._compiled.pop(name, None)
             self._compiled[name] = (code, plan)
 
-        host_scale = self.host_scales.get(code, 1.0) if code is not None else 1.0
+        host_scale = self.host_scales.get(code, UNMEASURED) if code is not None else UNMEASURED
         return OffloadPartitioner(self._options_for(code), rule, name, keep, host_scale)
 
     def _options_for(self, code: types.CodeType | None) -> OffloadOptions:
@@ -124,13 +126,14 @@ class OffloadBackend:
         if not measure:
             return compiled
         device = forward_device(plan.forward)
-        return host_clock.ForwardHostClock(
+        return host_clock.HostClock(
             compiled,
-            lambda seconds, in_flight: self._price_host(name, seconds, in_flight),
+            lambda times: self._price_host(name, times),
             lambda: torch.get_device_module(device).synchronize(device),
+            self._backward_spans,
         )
 
-    def _price_host(self, name: str, forward_host_seconds: float, forwards_in_flight: int) -> None:
+    def _price_host(self, name: str, times: host_clock.HostTimes) -> None:
         """Keep the chunk's plan predicted at the host's measured price and for the
         forwards measured in flight; where its transfers break ``auto``'s stall tolerance
         at that price, or it counted another number of forwards, discard its frame's
@@ -139,8 +142,8 @@ class OffloadBackend:
             return  # its frame was discarded meanwhile (set_fraction)
         code, plan = self._compiled[name]
         planned = self.options.in_flight_microbatches
-        in_flight = forwards_in_flight or planned
-        scale = host_clock.host_scale(plan, forward_host_seconds)
+        in_flight = times.forwards_in_flight or planned
+        scale = host_clock.host_scale(plan, times)
         priced = host_clock.priced_at(plan, scale, in_flight)
         tolerance = self.options.stall_tolerance
         if code is not None:
@@ -150,9 +153,10 @@ class OffloadBackend:
         reasons = []
         if not priced.prediction.within(tolerance):
             reasons.append(
-                f"its forward took the host {forward_host_seconds * 1e3:.2f} ms to issue, "
-                f"{scale:.2f}x what its plan priced; at that price its transfers slow the "
-                f"step by more than stall_tolerance={tolerance}"
+                f"its forward took the host {times.forward_seconds * 1e3:.2f} ms to issue and "
+                f"its backward {times.backward_seconds * 1e3:.2f} ms, {scale.forward:.2f}x "
+                f"and {scale.backward:.2f}x what its plan priced; at that price its "
+                f"transfers slow the step by more than stall_tolerance={tolerance}"
             )
         if in_flight != planned:
             reasons.append(

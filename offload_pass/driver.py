@@ -35,7 +35,7 @@ from offload_pass.options import FractionRule, OffloadOptions
 from offload_pass.order import free_memory_early, resident_inputs
 from offload_pass.plan import Plan
 from offload_pass.planner import ChunkPlan, Request, plan_offloads
-from offload_pass.profiles import DeviceProfile
+from offload_pass.profiles import UNMEASURED, DeviceProfile, HostScale
 from offload_pass.rewrite import insert_transfers
 from offload_pass.timing import alone_timer_for, timer_for
 
@@ -54,13 +54,13 @@ def request_for(
 
 
 def planning_profile(
-    options: OffloadOptions, device: torch.device, host_scale: float = 1.0
+    options: OffloadOptions, device: torch.device, host_scale: HostScale = UNMEASURED
 ) -> DeviceProfile:
     """The rates ``device`` runs the chunk at: ``options.profile``'s, its host costs
     times ``host_scale`` where the host was measured (``host_clock``), changed as CUDA
     graphs change them where the Inductor compile in progress captures them."""
     profile = profile_for(options.profile, device)
-    if host_scale != 1.0:
+    if host_scale != UNMEASURED:
         profile = profile.with_host_measured(host_scale)
     captured = options.compiler == "inductor" and _compat.inductor_captures_around_transfers()
     return profile.under_cuda_graphs() if captured else profile
@@ -112,7 +112,10 @@ class PlannedChunk:
 
 
 def plan_chunk(
-    chunk: ChunkGraphs, options: OffloadOptions, rule: FractionRule, host_scale: float = 1.0
+    chunk: ChunkGraphs,
+    options: OffloadOptions,
+    rule: FractionRule,
+    host_scale: HostScale = UNMEASURED,
 ) -> PlannedChunk:
     """Every stage but the rewrite on ``chunk`` (``order`` edits its backward in place).
     ``rule``: the shares in force when the graph began to compile; ``host_scale``: the

@@ -1,17 +1,20 @@
-"""The host's price, measured: how long the host takes to issue a compiled chunk's forward
-on its first steps, against what its plan predicted.
+"""The host's price, measured: how long the host takes to issue a compiled chunk's
+forward and its backward on its first steps, against what its plan predicted.
 
 The cost model prices each kernel launch at the profile's ``kernel_launch_seconds``, one
 host's average over a few models. Hosts of one kind, and models on one host, differ from
-it by a third or more (docs/gpu-validation.md, runs 47 to 53). Where the host is slower
-than planned, a step the plan counted as the device's is the host's, and each transfer
-op lengthens it: ``auto``'s promise to stay within the stall tolerance no longer holds.
-:class:`ForwardHostClock` times a compiled chunk's forward calls after their warm-up;
-:func:`host_scale` turns the time into a factor on the profile's host costs,
-:func:`priced_at` predicts the plan again at that price, and its prediction says whether
-it still stays within the tolerance (``Prediction.within``). The backend keeps the plan so priced,
-or, where it breaks the tolerance, plans the chunk again at the measured price and
-compiles it once more (``backend.OffloadBackend``).
+it by a third or more (docs/gpu-validation.md, runs 47 to 53), and backward costs the
+host more per kernel than forward: its autograd engine runs the compiled backward, then
+accumulates each parameter's gradient (ViT-B/16 has 152). Where the host is slower than
+planned, a step the plan counted as the device's is the host's, and each transfer op
+lengthens it: ``auto``'s promise to stay within the stall tolerance no longer holds.
+:class:`HostClock` times a compiled chunk's forward calls after their warm-up, and the
+backward of each (:class:`BackwardSpans`); :func:`host_scale` turns the times into
+factors on the profile's host costs, :func:`priced_at` predicts the plan again at that
+price, and its prediction says whether it still stays within the tolerance
+(``Prediction.within``). The backend keeps the plan so priced, or, where it breaks the
+tolerance, plans the chunk again at the measured price and compiles it once more
+(``backend.OffloadBackend``).
 
 The same first steps say how many forwards of the chunk run before a backward: one for a
 model compiled whole, as many as its blocks where each block is compiled on its own (they
@@ -38,6 +41,7 @@ import torch
 from offload_pass import _compat
 from offload_pass.graphs import forward_device
 from offload_pass.plan import Plan
+from offload_pass.profiles import HostScale
 from offload_pass.simulate import simulate
 
 WARMUP_STEPS = 2
@@ -53,6 +57,16 @@ SETTLING_STEPS = WARMUP_STEPS + TIMED_CALLS + 1
 compile it again)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class HostTimes:
+    """What the host took to issue a chunk's forward and its backward (each the median
+    of the timed calls), and the most forwards of it that ran before a backward."""
+
+    forward_seconds: float
+    backward_seconds: float
+    forwards_in_flight: int
+
+
 def is_timed(plan: Plan) -> bool:
     """Whether the host's price matters to ``plan`` and can be read off its forward calls:
     the host issues its kernels one by one (not replayed from CUDA graphs, whose profile
@@ -62,17 +76,22 @@ def is_timed(plan: Plan) -> bool:
     return (
         plan.profile.kernel_launch_seconds > 0
         and plan.prediction.forward_host_seconds > 0
+        and plan.prediction.backward_host_seconds > 0
         and sum(plan.costs.forward_launches) < LAUNCH_QUEUE
         and forward_device(plan.forward).type == "cuda"
     )
 
 
-def host_scale(plan: Plan, forward_host_seconds: float) -> float:
-    """How many times the plan's predicted host time the forward took to issue."""
-    return forward_host_seconds / plan.prediction.forward_host_seconds
+def host_scale(plan: Plan, times: HostTimes) -> HostScale:
+    """How many times the plan's predicted host time forward and backward took to issue."""
+    prediction = plan.prediction
+    return HostScale(
+        times.forward_seconds / prediction.forward_host_seconds,
+        times.backward_seconds / prediction.backward_host_seconds,
+    )
 
 
-def priced_at(plan: Plan, scale: float, in_flight: int) -> Plan:
+def priced_at(plan: Plan, scale: HostScale, in_flight: int) -> Plan:
     """``plan`` with its host costs, and so its prediction, at ``scale`` times its
     profile's (``in_flight``: the microbatches its peak counts)."""
     costs = dataclasses.replace(plan.costs, profile=plan.profile.with_host_measured(scale))
@@ -81,31 +100,63 @@ def priced_at(plan: Plan, scale: float, in_flight: int) -> Plan:
     return dataclasses.replace(plan, costs=costs, planned=planned)
 
 
-class ForwardHostClock:
-    """A compiled chunk's forward, calling ``on_measured`` once with the median seconds
-    its calls took from its third step on (:data:`WARMUP_STEPS`, :data:`TIMED_CALLS`),
-    and the most warm-up calls in flight at once (:attr:`forwards_in_flight`); then only
-    the forward. On CUDA a call returns once the host has issued the work, so its wall
-    time is the host's.
+class BackwardSpans:
+    """The host's time for each timed chunk's backward in one backward pass: from the
+    moment its first node starts to the moment the next timed chunk's does, or the pass
+    ends. The span holds what the engine runs between them: the chunk's compiled
+    backward, then the gradients it accumulates into parameters (the engine runs those
+    as soon as they are ready), and any backward of uncompiled code after it. The device
+    is drained before each span (``drain``, as :class:`HostClock` takes it). One per
+    backend: its chunks' spans end where each other's begin."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self._open: Callable[[float], None] | None = None
+        self._started = 0.0
+
+    def start(self, report: Callable[[float], None], drain: Callable[[], None]) -> None:
+        """A timed chunk's backward begins; ``report`` gets its span once it ends."""
+        now = self.clock()
+        if self._open is None:
+            _compat.at_backward_end(self._end)
+        else:
+            self._open(now - self._started)
+        drain()
+        self._open, self._started = report, self.clock()
+
+    def _end(self) -> None:
+        report, self._open = self._open, None
+        if report is not None:
+            report(self.clock() - self._started)
+
+
+class HostClock:
+    """A compiled chunk's forward, calling ``on_measured`` once with :class:`HostTimes`:
+    the median seconds its first :data:`TIMED_CALLS` forward calls took from its third
+    step on (:data:`WARMUP_STEPS`), the median of as many backwards' (``spans``), and the most warm-up calls in flight at once
+    (:attr:`forwards_in_flight`); then only the forward. On CUDA a call returns once the
+    host has issued the work, so its wall time is the host's.
 
     A step is counted where a backward of an earlier call has run since the call before:
     a chunk may be called several times a step (each block compiled on its own shares
     one), and its first step's calls all compile, pin host memory or grow the device's
     pool. A call inside a backward (a checkpointed region run again) is neither timed nor
-    counted. ``drain`` runs before each timed call (the device's synchronize): a host
-    running ahead of a busy device waits whenever the launch queue is full, and its
-    time would then be the device's."""
+    counted. ``drain`` runs before each timed call and backward (the device's
+    synchronize): a host running ahead of a busy device waits whenever the launch queue
+    is full, and its time would then be the device's."""
 
     def __init__(
         self,
         forward: Callable[..., Any],
-        on_measured: Callable[[float, int], None],
+        on_measured: Callable[[HostTimes], None],
         drain: Callable[[], None],
+        spans: BackwardSpans,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.forward = forward
         self.on_measured = on_measured
         self.drain = drain
+        self.spans = spans
         self.clock = clock
         self.steps = 0
         self.backwards = 0
@@ -116,6 +167,7 @@ class ForwardHostClock:
         backward, once run; a call leaves where its autograd nodes die without one."""
         self._nodes_alive: dict[int, int] = {}
         self.samples: list[float] | None = []
+        self.backward_samples: list[float] = []
         # Dynamo calls a compiled function with its inputs boxed in a list where it says so.
         self._boxed_call = getattr(forward, "_boxed_call", False)
 
@@ -134,10 +186,31 @@ class ForwardHostClock:
             self._hear_backward_of(outputs)
             return outputs
         self.samples.append(seconds)
-        if len(self.samples) == TIMED_CALLS:
-            samples, self.samples = self.samples, None
-            self.on_measured(statistics.median(samples), self.forwards_in_flight)
+        self._time_backward_of(outputs)
         return outputs
+
+    def _time_backward_of(self, outputs: Any) -> None:
+        """Time the backward that runs ``outputs``' nodes, from the first of them to run."""
+        nodes = {t.grad_fn for t in outputs if isinstance(t, torch.Tensor)} - {None}
+        started = [False]
+
+        def start(*grads: Any) -> None:
+            if not started[0] and self.samples is not None:
+                started[0] = True
+                self.spans.start(self._backward_took, self.drain)
+
+        for node in nodes:
+            node.register_prehook(start)
+
+    def _backward_took(self, seconds: float) -> None:
+        if self.samples is None:
+            return
+        self.backward_samples.append(seconds)
+        if len(self.backward_samples) < TIMED_CALLS:
+            return
+        forward, self.samples = self.samples[:TIMED_CALLS], None
+        backward = statistics.median(self.backward_samples)
+        self.on_measured(HostTimes(statistics.median(forward), backward, self.forwards_in_flight))
 
     def _hear_backward_of(self, outputs: Any) -> None:
         """Hear of the backward that runs one of ``outputs``' nodes (whichever of them

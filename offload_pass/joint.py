@@ -79,6 +79,7 @@ from offload_pass.blocks import Split, find_blocks
 from offload_pass.driver import PlannedChunk, plan_chunk
 from offload_pass.graphs import ChunkGraphs
 from offload_pass.options import SEARCH, FractionRule, OffloadOptions
+from offload_pass.profiles import UNMEASURED, HostScale
 from offload_pass.recomputation import (
     Order,
     cheapest,
@@ -152,7 +153,7 @@ def plan_jointly(
     options: OffloadOptions,
     rule: FractionRule,
     space: SearchSpace = SearchSpace(),
-    host_scale: float = 1.0,
+    host_scale: HostScale = UNMEASURED,
 ) -> PlannedChunk:
     """The planned split of the chunk: under ``options.recompute_budget`` (None: torch's
     setting), or the best the search over ``space`` finds (module docstring).

@@ -19,6 +19,7 @@ from offload_pass.graphs import ChunkGraphs
 from offload_pass.joint import Partition, plan_jointly, search_space
 from offload_pass.options import FractionRule, OffloadOptions
 from offload_pass.plan import Plan
+from offload_pass.profiles import UNMEASURED, HostScale
 from offload_pass.realized import held_recomputations
 
 
@@ -92,7 +93,7 @@ class OffloadPartitioner(_compat.PartitionerBase):
         rule: FractionRule,
         name: str,
         on_plan: Callable[[Plan], None],
-        host_scale: float = 1.0,
+        host_scale: HostScale = UNMEASURED,
     ) -> None:
         self.options = options
         self.rule = rule

@@ -21,6 +21,28 @@ import torch
 
 
 @dataclasses.dataclass(frozen=True)
+class HostScale:
+    """How many times as long as a profile prices it the host took to issue a chunk's
+    forward, and its backward, measured on its first steps (:mod:`offload_pass.host_clock`)."""
+
+    forward: float = 1.0
+    backward: float = 1.0
+
+    def __post_init__(self) -> None:
+        for phase in ("forward", "backward"):
+            value = getattr(self, phase)
+            if not (isinstance(value, float | int) and value > 0):
+                raise ValueError(f"HostScale.{phase} must be a positive number, got {value!r}")
+
+    def __str__(self) -> str:
+        return f"{self.forward:.2f}x in forward, {self.backward:.2f}x in backward"
+
+
+UNMEASURED = HostScale()
+"""The profile's own host prices."""
+
+
+@dataclasses.dataclass(frozen=True)
 class DeviceProfile:
     """Sustained rates of one device. Bandwidths in bytes/s, rates in FLOP/s.
 
@@ -36,7 +58,10 @@ class DeviceProfile:
     (``bucketed_offload_host_seconds``, ``bucketed_reload_host_seconds``). A kernel cannot
     start before the host has issued it, so where kernels are short the step is the
     host's, and every transfer op lengthens it. Zero where the host is the device (CPU):
-    there, the host's time is the compute time already.
+    there, the host's time is the compute time already. ``backward_host_scale``: what
+    each host cost takes in backward over what it takes in forward (backward's autograd
+    engine accumulates each parameter's gradient beside the compiled code); 1 until a
+    host is measured (:meth:`with_host_measured`).
     """
 
     name: str
@@ -52,6 +77,7 @@ class DeviceProfile:
     reload_host_seconds: float = 0.0
     bucketed_offload_host_seconds: float = 0.0
     bucketed_reload_host_seconds: float = 0.0
+    backward_host_scale: float = 1.0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -80,13 +106,21 @@ class DeviceProfile:
             kernel_launch_seconds=0.0,
         )
 
-    def with_host_measured(self, scale: float) -> DeviceProfile:
-        """The same device on a host measured ``scale`` times as slow (or fast) to issue
-        work as this profile prices it: every host cost scaled."""
-        if not scale > 0:
-            raise ValueError(f"a host's measured scale must be positive, got {scale!r}")
-        host = {name: getattr(self, name) * scale for name in _HOST_COSTS}
-        return dataclasses.replace(self, name=f"{self.name}, host measured at {scale:.2f}x", **host)
+    def with_host_measured(self, scale: HostScale) -> DeviceProfile:
+        """The same device on a host that takes ``scale`` times as long to issue work as
+        this profile prices it."""
+        host = {name: getattr(self, name) * scale.forward for name in _HOST_COSTS}
+        return dataclasses.replace(
+            self,
+            name=f"{self.name}, host measured at {scale}",
+            backward_host_scale=self.backward_host_scale * scale.backward / scale.forward,
+            **host,
+        )
+
+    @property
+    def backward_launch_seconds(self) -> float:
+        """What the host takes to issue one kernel in backward."""
+        return self.kernel_launch_seconds * self.backward_host_scale
 
     def matrix_rate(self, dtype: torch.dtype) -> float:
         return self.fp32_flops if dtype in (torch.float32, torch.float64) else self.matmul_flops

@@ -78,8 +78,8 @@ class Prediction:
     ``stall_seconds``: compute waiting for copies; ``host_wait_seconds``: compute waiting
     for the host to issue its kernels; ``host_seconds``: what the host takes to issue the
     step, had it never to wait for the device, ``forward_host_seconds`` what it takes to
-    issue forward. ``forward_starts``/``backward_starts``: when each node starts
-    computing."""
+    issue forward (``backward_host_seconds`` backward). ``forward_starts`` and
+    ``backward_starts``: when each node starts computing."""
 
     forward_seconds: float
     backward_seconds: float
@@ -97,6 +97,11 @@ class Prediction:
     @property
     def step_seconds(self) -> float:
         return self.forward_seconds + self.backward_seconds
+
+    @property
+    def backward_host_seconds(self) -> float:
+        """What the host takes to issue backward."""
+        return self.host_seconds - self.forward_host_seconds
 
     @property
     def peak_saved_bytes(self) -> int:
@@ -176,9 +181,9 @@ class _Streams:
         self.stall = 0.0
         self.host_wait = 0.0
 
-    def run(self, seconds: float, launches: int) -> float:
-        """Issue and run one node; when it starts."""
-        self.host += launches * self.profile.kernel_launch_seconds
+    def run(self, seconds: float, host_seconds: float) -> float:
+        """Issue (taking the host ``host_seconds``) and run one node; when it starts."""
+        self.host += host_seconds
         start = max(self.clock, self.host)
         self.host_wait += start - self.clock
         self.clock = start + seconds
@@ -427,15 +432,15 @@ def _run(costs: ChunkCosts, transfers: Sequence[Transfer], backlog: float = 0.0)
     reloads = _with_host_seconds(
         {j: sorted(ts, key=lambda t: t.need_at) for j, ts in _by(transfers, "reload_at").items()},
         _reload_op,
-        profile.reload_host_seconds,
-        profile.bucketed_reload_host_seconds,
+        profile.reload_host_seconds * profile.backward_host_scale,
+        profile.bucketed_reload_host_seconds * profile.backward_host_scale,
     )
 
     device_to_host = CopyQueue(free_at=backlog)
     forward_starts = []
     forward = zip(costs.forward_seconds, costs.forward_launches, strict=True)
     for i, (seconds, launches) in enumerate(forward):
-        forward_starts.append(streams.run(seconds, launches))
+        forward_starts.append(streams.run(seconds, launches * profile.kernel_launch_seconds))
         for t, host_seconds in offloads.get(i, ()):
             c = copies[t.root]
             c.offload_start, c.offload_end = streams.issue(
@@ -456,7 +461,7 @@ def _run(costs: ChunkCosts, transfers: Sequence[Transfer], backlog: float = 0.0)
             )
         for t in needs.get(j, ()):
             copies[t.root].stall += streams.wait_for(copies[t.root].reload_end)
-        backward_starts.append(streams.run(seconds, launches))
+        backward_starts.append(streams.run(seconds, launches * profile.backward_launch_seconds))
     return _Timeline(
         streams,
         forward_end,
