@@ -1,6 +1,6 @@
-"""Measure a CUDA device's copy bandwidths, matrix rates and memory bandwidth, and the
-host's time for the transfer ops, once per device model (kept for the process and in the
-device cache, device_cache.py); or, with every local rank
+"""Measure a CUDA device's copy bandwidths, matrix rates, memory bandwidth and least time
+per kernel, and the host's time for the transfer ops, once per device model (kept for
+the process and in the device cache, device_cache.py); or, with every local rank
 copying at once, the copy bandwidths each rank of a host actually gets
 (``calibrate_shared``). ``profile_for`` picks the profile a chunk is planned with,
 measuring the device where no built-in one fits.
@@ -34,6 +34,9 @@ MATMUL_SIZE = 8192
 REPEATS = 5
 HOST_CALLS = 200
 HOST_BUCKET = 8
+FLOOR_KERNELS = 1000
+FLOOR_SPIN_CYCLES = 100_000_000
+"""About 60 ms at 1.7 GHz: longer than any host takes to launch the chain."""
 """Storages per op where the host time a further storage adds is measured."""
 CALIBRATED_PROFILE = "calibrated profile"
 MEASURED = "measured"
@@ -188,10 +191,13 @@ def calibrate(device_index: int) -> DeviceProfile:
 
 def _kept_profile(device: torch.device) -> DeviceProfile | None:
     """The profile the device cache keeps for ``device``; None where it keeps none, or one
-    that no longer describes a ``DeviceProfile``."""
+    that no longer describes a ``DeviceProfile`` (a field added since goes unmeasured)."""
     fields = device_cache.read(device).get(CALIBRATED_PROFILE, {}).get(MEASURED)
+    names = {field.name for field in dataclasses.fields(DeviceProfile)}
+    if not isinstance(fields, dict) or set(fields) != names:
+        return None
     try:
-        return DeviceProfile(**fields) if isinstance(fields, dict) else None
+        return DeviceProfile(**fields)
     except (TypeError, ValueError):
         return None
 
@@ -205,6 +211,7 @@ def _measured_profile(device: torch.device) -> DeviceProfile:
         bf16 = _matmul_rate(device, torch.bfloat16, MATMUL_SIZE)
         fp32 = _matmul_rate(device, torch.float32, MATMUL_SIZE // 2)
         host = bucketed_host_seconds(device)
+        floor = kernel_floor_seconds(device)
     name = f"calibrated {torch.cuda.get_device_name(device)}"
     return DeviceProfile(
         name,
@@ -219,7 +226,21 @@ def _measured_profile(device: torch.device) -> DeviceProfile:
         reload_host_seconds=host.alone.reload,
         bucketed_offload_host_seconds=host.added.offload,
         bucketed_reload_host_seconds=host.added.reload,
+        kernel_floor_seconds=floor,
     )
+
+
+def kernel_floor_seconds(device: torch.device, kernels: int = FLOOR_KERNELS) -> float:
+    """The device's time per kernel in a chain of ``kernels`` one-element in-place adds,
+    each timed chain queued behind a spin, so that the host has launched it before the
+    device reaches it and the device waits on nothing but itself."""
+    one = torch.zeros(1, device=device)
+
+    def chain() -> None:
+        for _ in range(kernels):
+            one.add_(1)
+
+    return _seconds(chain, lambda: _compat.spin_device(device, FLOOR_SPIN_CYCLES)) / kernels
 
 
 def calibrate_shared(group: dist.ProcessGroup | None = None) -> DeviceProfile:

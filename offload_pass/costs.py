@@ -21,6 +21,7 @@ backward's.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import operator
@@ -145,6 +146,28 @@ def _computed_dtype(node: torch.fx.Node) -> torch.dtype:
     return next((v.dtype for v in values), torch.float32)
 
 
+def kernel_seconds(
+    nodes: Sequence[torch.fx.Node],
+    kernels: dict[torch.fx.Node, torch.fx.Node],
+    profile: DeviceProfile,
+    timer: NodeTimer | None = None,
+) -> tuple[float, ...]:
+    """Each node's device seconds (:func:`node_seconds`), a kernel taking no less than
+    the profile's ``kernel_floor_seconds``: what its nodes leave short of the floor is
+    counted at its first node, where the host issues it (``kernels``:
+    ``graphs.fused_kernels`` of ``nodes``)."""
+    seconds = [node_seconds(n, profile, timer) for n in nodes]
+    per_kernel: dict[torch.fx.Node, float] = collections.defaultdict(float)
+    for node, s in zip(nodes, seconds, strict=True):
+        if node in kernels:
+            per_kernel[kernels[node]] += s
+    floor = profile.kernel_floor_seconds
+    return tuple(
+        s + max(0.0, floor - per_kernel[n]) if kernels.get(n) is n else s
+        for n, s in zip(nodes, seconds, strict=True)
+    )
+
+
 def kernel_launches(
     nodes: Sequence[torch.fx.Node], kernels: dict[torch.fx.Node, torch.fx.Node] | None = None
 ) -> tuple[int, ...]:
@@ -163,8 +186,8 @@ def estimate_costs(
     allocated, freed, returned_bytes, holds = _memory_events(chunk, forward, backward, kernels)
     return ChunkCosts(
         profile=profile,
-        forward_seconds=tuple(node_seconds(n, profile, timer) for n in forward),
-        backward_seconds=tuple(node_seconds(n, profile, timer) for n in backward),
+        forward_seconds=kernel_seconds(forward, kernels, profile, timer),
+        backward_seconds=kernel_seconds(backward, kernels, profile, timer),
         forward_launches=kernel_launches(forward, kernels),
         backward_launches=kernel_launches(backward, kernels),
         resident_bytes=sum(

@@ -133,9 +133,10 @@ class BackwardSpans:
 class HostClock:
     """A compiled chunk's forward, calling ``on_measured`` once with :class:`HostTimes`:
     the median seconds its first :data:`TIMED_CALLS` forward calls took from its third
-    step on (:data:`WARMUP_STEPS`), the median of as many backwards' (``spans``), and the most warm-up calls in flight at once
-    (:attr:`forwards_in_flight`); then only the forward. On CUDA a call returns once the
-    host has issued the work, so its wall time is the host's.
+    step on (:data:`WARMUP_STEPS`), the median of as many backwards' (``spans``), and
+    the most warm-up calls in flight at once (:attr:`forwards_in_flight`); then only the
+    forward. On CUDA a call returns once the host has issued the work, so its wall time
+    is the host's.
 
     A step is counted where a backward of an earlier call has run since the call before:
     a chunk may be called several times a step (each block compiled on its own shares

@@ -62,6 +62,11 @@ class DeviceProfile:
     each host cost takes in backward over what it takes in forward (backward's autograd
     engine accumulates each parameter's gradient beside the compiled code); 1 until a
     host is measured (:meth:`with_host_measured`).
+
+    ``kernel_floor_seconds``: the least time the device takes for one kernel when
+    kernels run back to back, however little each one computes (launching its grid and
+    draining it): a step of many small kernels (a mixture of experts' routing, a ViT's
+    normalizations) takes that long per kernel, not its traffic over the bandwidth.
     """
 
     name: str
@@ -78,11 +83,12 @@ class DeviceProfile:
     bucketed_offload_host_seconds: float = 0.0
     bucketed_reload_host_seconds: float = 0.0
     backward_host_scale: float = 1.0
+    kernel_floor_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name in _HOST_COSTS:
+            if field.name in _HOST_COSTS or field.name == "kernel_floor_seconds":
                 if not (isinstance(value, float | int) and value >= 0):
                     raise ValueError(
                         f"DeviceProfile.{field.name} must be a number of seconds >= 0, "
@@ -154,15 +160,47 @@ over its launches, about 3 times one kernel's cost in a bare chain); an offload 
 and a reload with its wait, each moving one storage; what a further storage adds to
 each (run 38). Hosts differ: runs 31 to 38 measured one offload pair at 94 to 165 us."""
 
+CUDA_KERNEL_FLOOR = 2.1 * US
+"""An H100's time per kernel for a chain of one-element in-place adds, queued behind a
+spin so that the host is not what the device waits on (as
+``calibration.kernel_floor_seconds`` measures it; docs/gpu-validation.md, run 187:
+2.12 to 2.16 us for 1 to 1,024 elements, 2.32 for 262,144 and 5.15 for 4,194,304,
+where the traffic's time takes over). The H200 has the same SMs; the A100's floor
+is not measured and taken as the same; ``calibrate`` measures the device present."""
+
 BUILT_IN: dict[str, DeviceProfile] = {
     "h200": DeviceProfile(
-        "h200", 790 * TFLOPS, 50 * TFLOPS, 4000 * GB, 54.6 * GB, 55.3 * GB, 96.3 * GB, **CUDA_HOST
+        "h200",
+        790 * TFLOPS,
+        50 * TFLOPS,
+        4000 * GB,
+        54.6 * GB,
+        55.3 * GB,
+        96.3 * GB,
+        **CUDA_HOST,
+        kernel_floor_seconds=CUDA_KERNEL_FLOOR,
     ),
     "h100": DeviceProfile(
-        "h100", 650 * TFLOPS, 45 * TFLOPS, 2800 * GB, 50 * GB, 50 * GB, 90 * GB, **CUDA_HOST
+        "h100",
+        650 * TFLOPS,
+        45 * TFLOPS,
+        2800 * GB,
+        50 * GB,
+        50 * GB,
+        90 * GB,
+        **CUDA_HOST,
+        kernel_floor_seconds=CUDA_KERNEL_FLOOR,
     ),
     "a100": DeviceProfile(
-        "a100", 250 * TFLOPS, 17 * TFLOPS, 1600 * GB, 24 * GB, 24 * GB, 40 * GB, **CUDA_HOST
+        "a100",
+        250 * TFLOPS,
+        17 * TFLOPS,
+        1600 * GB,
+        24 * GB,
+        24 * GB,
+        40 * GB,
+        **CUDA_HOST,
+        kernel_floor_seconds=CUDA_KERNEL_FLOOR,
     ),
     "cpu": DeviceProfile(
         "cpu", 0.2 * TFLOPS, 0.1 * TFLOPS, 20 * GB, 10 * GB, 10 * GB, 10 * GB, False

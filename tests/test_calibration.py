@@ -37,9 +37,14 @@ def test_a_calibrated_profile_is_kept_for_the_next_process(new_process, monkeypa
     assert calibration.calibrate(1) == measured, "kept per model, whichever device has it"
 
 
-def test_a_kept_profile_of_other_fields_is_measured_again(new_process, monkeypatch):
+@pytest.mark.parametrize("other", ["a field no longer there", "a field added since"])
+def test_a_kept_profile_of_other_fields_is_measured_again(new_process, monkeypatch, other):
     path = device_cache.path_for(torch.device("cuda", 0))
-    fields = dataclasses.asdict(BUILT_IN["h200"]) | {"a field no longer there": 1.0}
+    fields = dataclasses.asdict(BUILT_IN["h200"])
+    if other == "a field no longer there":
+        fields[other] = 1.0
+    else:
+        del fields["kernel_floor_seconds"]
     path.write_text(json.dumps({calibration.CALIBRATED_PROFILE: {calibration.MEASURED: fields}}))
     measured = dataclasses.replace(BUILT_IN["h100"], name="calibrated Test GPU")
     monkeypatch.setattr(calibration, "_measured_profile", lambda device: measured)

@@ -339,6 +339,22 @@ def test_the_host_issues_one_kernel_per_value_written_to_memory():
     assert costs.launches == 3
 
 
+def test_a_kernel_takes_the_device_no_less_than_the_floor_of_one():
+    """forward: x, w, mm, relu, sum, output; relu fuses into sum's kernel, and what the
+    two leave short of the floor is counted where the kernel is issued."""
+    unfloored = estimate_costs(_chunk(), PROFILE).forward_seconds
+    floored = estimate_costs(
+        _chunk(), dataclasses.replace(PROFILE, kernel_floor_seconds=10.0)
+    ).forward_seconds
+    assert unfloored[2] == pytest.approx(0.384)  # 384 FLOPs at 1e3 FLOP/s
+    assert floored[2] == pytest.approx(10.0)
+    assert floored[3] == unfloored[3] > 0, "relu is in sum's kernel, issued at sum"
+    assert floored[3] + floored[4] == pytest.approx(10.0)
+    assert floored[:2] + floored[5:] == (0.0, 0.0, 0.0), "placeholders and output"
+    below = dataclasses.replace(PROFILE, kernel_floor_seconds=0.1)
+    assert estimate_costs(_chunk(), below).forward_seconds[2] == unfloored[2], "longer"
+
+
 def _launched(fn, *shapes, tracing_mode: str = "fake") -> list[str]:
     """The nodes where the host issues a kernel, in ``fn``'s graph."""
     graph = make_fx(fn, tracing_mode=tracing_mode)(*(torch.randn(s) for s in shapes)).graph

@@ -536,7 +536,8 @@ def test_calibration_measures_this_device_near_its_built_in_profile():
     built_in = built_in_for_name(torch.cuda.get_device_name())
     if built_in is None:
         pytest.skip("no built-in profile to compare with")
-    for field in ("matmul_flops", "memory_bandwidth", "device_to_host", "host_to_device"):
+    measured_fields = ("matmul_flops", "memory_bandwidth", "device_to_host", "host_to_device")
+    for field in (*measured_fields, "kernel_floor_seconds"):
         ratio = getattr(measured, field) / getattr(built_in, field)
         assert 0.5 < ratio < 2.0, (field, getattr(measured, field), getattr(built_in, field))
     # Host times depend on the host CPU, not the GPU: hosts of one machine kind have

@@ -48,7 +48,8 @@ def test_auto_plans_again_at_the_host_price_measured_on_its_first_steps(timed_on
     train_step(compiled, x)
     (first,) = backend.plans
     assert first.moved
-    with pytest.warns(UserWarning, match=r"400.00x and 400.00x what its plan priced.*compiled once more"):
+    priced = r"400.00x and 400.00x what its plan priced.*compiled once more"
+    with pytest.warns(UserWarning, match=priced):
         for _ in range(STEPS_TO_MEASURE - 1):
             train_step(compiled, x)
     assert backend.plans == [], "the plan made at the old price leaves with its code"
