@@ -160,13 +160,14 @@ over its launches, about 3 times one kernel's cost in a bare chain); an offload 
 and a reload with its wait, each moving one storage; what a further storage adds to
 each (run 38). Hosts differ: runs 31 to 38 measured one offload pair at 94 to 165 us."""
 
-CUDA_KERNEL_FLOOR = 2.1 * US
-"""An H100's time per kernel for a chain of one-element in-place adds, queued behind a
-spin so that the host is not what the device waits on (as
-``calibration.kernel_floor_seconds`` measures it; docs/gpu-validation.md, run 187:
-2.12 to 2.16 us for 1 to 1,024 elements, 2.32 for 262,144 and 5.15 for 4,194,304,
-where the traffic's time takes over). The H200 has the same SMs; the A100's floor
-is not measured and taken as the same; ``calibrate`` measures the device present."""
+H100_KERNEL_FLOOR = 2.1 * US
+H200_KERNEL_FLOOR = 1.74 * US
+"""Each device's time per kernel in a chain of one-element in-place adds, queued behind a
+spin so that the host is not what the device waits on, as
+``calibration.kernel_floor_seconds`` measures it (docs/gpu-validation.md): an H100's
+2.12 to 2.16 us for 1 to 1,024 elements (run 188; 2.32 for 262,144 and 5.15 for
+4,194,304, where the traffic's time takes over), an H200's 1.74 (run 189). The A100's is
+not measured and taken as the H100's; ``calibrate`` measures the device present."""
 
 BUILT_IN: dict[str, DeviceProfile] = {
     "h200": DeviceProfile(
@@ -178,7 +179,7 @@ BUILT_IN: dict[str, DeviceProfile] = {
         55.3 * GB,
         96.3 * GB,
         **CUDA_HOST,
-        kernel_floor_seconds=CUDA_KERNEL_FLOOR,
+        kernel_floor_seconds=H200_KERNEL_FLOOR,
     ),
     "h100": DeviceProfile(
         "h100",
@@ -189,7 +190,7 @@ BUILT_IN: dict[str, DeviceProfile] = {
         50 * GB,
         90 * GB,
         **CUDA_HOST,
-        kernel_floor_seconds=CUDA_KERNEL_FLOOR,
+        kernel_floor_seconds=H100_KERNEL_FLOOR,
     ),
     "a100": DeviceProfile(
         "a100",
@@ -200,7 +201,7 @@ BUILT_IN: dict[str, DeviceProfile] = {
         24 * GB,
         40 * GB,
         **CUDA_HOST,
-        kernel_floor_seconds=CUDA_KERNEL_FLOOR,
+        kernel_floor_seconds=H100_KERNEL_FLOOR,
     ),
     "cpu": DeviceProfile(
         "cpu", 0.2 * TFLOPS, 0.1 * TFLOPS, 20 * GB, 10 * GB, 10 * GB, 10 * GB, False
