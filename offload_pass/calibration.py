@@ -34,10 +34,10 @@ MATMUL_SIZE = 8192
 REPEATS = 5
 HOST_CALLS = 200
 HOST_BUCKET = 8
+"""Storages per op where the host time a further storage adds is measured."""
 FLOOR_KERNELS = 1000
 FLOOR_SPIN_CYCLES = 100_000_000
 """About 60 ms at 1.7 GHz: longer than any host takes to launch the chain."""
-"""Storages per op where the host time a further storage adds is measured."""
 CALIBRATED_PROFILE = "calibrated profile"
 MEASURED = "measured"
 """The device cache's section and key of the profile ``calibrate`` measured."""

@@ -68,16 +68,18 @@ class HostTimes:
 
 
 def is_timed(plan: Plan) -> bool:
-    """Whether the host's price matters to ``plan`` and can be read off its forward calls:
-    the host issues its kernels one by one (not replayed from CUDA graphs, whose profile
-    prices no launch), and on a CUDA device a call returns once the host has issued its
-    work (on the CPU it returns when the work is done), as long as it launches fewer
-    than :data:`LAUNCH_QUEUE` kernels after the device was synchronized."""
+    """Whether the host's price matters to ``plan`` and can be read off its forward calls
+    and their backwards: the host issues its kernels one by one (not replayed from CUDA
+    graphs, whose profile prices no launch), and on a CUDA device a call returns once the
+    host has issued its work (on the CPU it returns when the work is done), as long as
+    forward and backward each launch fewer than :data:`LAUNCH_QUEUE` kernels after the
+    device was synchronized."""
     return (
         plan.profile.kernel_launch_seconds > 0
         and plan.prediction.forward_host_seconds > 0
         and plan.prediction.backward_host_seconds > 0
         and sum(plan.costs.forward_launches) < LAUNCH_QUEUE
+        and sum(plan.costs.backward_launches) < LAUNCH_QUEUE
         and forward_device(plan.forward).type == "cuda"
     )
 

@@ -511,6 +511,16 @@ def test_a_region_recompute_budget_is_seen_where_torch_writes_one():
     assert _compat.budget_annotated(_traced_with_meta(custom=custom))
 
 
+def test_a_callback_queued_inside_a_backward_runs_once_it_is_done():
+    events = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda grad: _compat.at_backward_end(lambda: events.append("end")))
+    x.register_hook(lambda grad: events.append("last node"))
+    y.sum().backward()
+    assert events == ["last node", "end"]
+
+
 def test_in_backward_is_true_only_while_autograd_runs_a_backward():
     seen = []
     x = torch.ones(2, requires_grad=True)

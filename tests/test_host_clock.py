@@ -173,9 +173,11 @@ def test_a_cuda_plan_is_timed_where_its_host_issues_each_kernel_and_not_too_many
         dataclasses.replace(plan, costs=dataclasses.replace(plan.costs, profile=replayed))
     ), "under CUDA graphs no launch is priced"
     many = (1,) * host_clock.LAUNCH_QUEUE
-    assert not host_clock.is_timed(
-        dataclasses.replace(plan, costs=dataclasses.replace(plan.costs, forward_launches=many))
-    ), "a forward that fills the launch queue waits for the device"
+    for phase in ("forward_launches", "backward_launches"):
+        costs = dataclasses.replace(plan.costs, **{phase: many})
+        assert not host_clock.is_timed(dataclasses.replace(plan, costs=costs)), (
+            "a forward or backward that fills the launch queue waits for the device"
+        )
 
 
 def test_a_plan_on_the_cpu_is_not_timed():
