@@ -197,40 +197,33 @@ def test_a_plan_keeps_its_promise_on_its_own_host_and_not_on_a_slower_one():
     assert not host_clock.priced_at(plan, HostScale(SLOWER, SLOWER), 1).prediction.within(0.01)
 
 
-def test_the_forward_host_time_counts_forward_launches_and_offload_ops():
+@pytest.mark.parametrize(("phase", "op"), [("forward", "offload"), ("backward", "reload")])
+def test_each_phases_host_time_counts_its_launches_and_transfer_ops(phase, op):
     model, x = _stack()
     (plan,) = offload_pass.explain(model, x, profile=FAST_HOST).plans
-    profile, costs = plan.profile, plan.costs
-    launches = sum(costs.forward_launches) * profile.kernel_launch_seconds
-    ops = plan.prediction.forward_host_seconds - launches
-    assert plan.offload_ops >= 1
-    assert ops == pytest.approx(
-        profile.offload_host_seconds * plan.offload_ops
-        + profile.bucketed_offload_host_seconds * (len(plan.moved) - plan.offload_ops)
+    profile = plan.profile
+    launch = {"forward": profile.kernel_launch_seconds, "backward": profile.backward_launch_seconds}
+    launches = sum(getattr(plan.costs, f"{phase}_launches")) * launch[phase]
+    ops = getattr(plan, f"{op}_ops")
+    assert ops >= 1
+    assert getattr(plan.prediction, f"{phase}_host_seconds") - launches == pytest.approx(
+        getattr(profile, f"{op}_host_seconds") * ops
+        + getattr(profile, f"bucketed_{op}_host_seconds") * (len(plan.moved) - ops)
     )
+
+
+def test_forward_and_backward_are_priced_at_their_own_measured_factors():
+    model, x = _stack()
+    (plan,) = offload_pass.explain(model, x, profile=FAST_HOST).plans
+    predicted = plan.prediction
     times = host_clock.HostTimes(
-        2 * plan.prediction.forward_host_seconds, 3 * plan.prediction.backward_host_seconds, 1
+        2 * predicted.forward_host_seconds, 3 * predicted.backward_host_seconds, 1
     )
     assert host_clock.host_scale(plan, times) == HostScale(2.0, 3.0)
-
-
-def test_the_backward_host_time_counts_backward_launches_and_reload_ops():
-    model, x = _stack()
-    (plan,) = offload_pass.explain(model, x, profile=FAST_HOST).plans
-    profile, costs = plan.profile, plan.costs
-    launches = sum(costs.backward_launches) * profile.backward_launch_seconds
-    ops = plan.prediction.backward_host_seconds - launches
-    assert plan.reload_ops >= 1
-    assert ops == pytest.approx(
-        profile.reload_host_seconds * plan.reload_ops
-        + profile.bucketed_reload_host_seconds * (len(plan.moved) - plan.reload_ops)
-    )
     slower_backward = host_clock.priced_at(plan, HostScale(1.0, 3.0), 1).prediction
-    assert slower_backward.forward_host_seconds == pytest.approx(
-        plan.prediction.forward_host_seconds
-    )
+    assert slower_backward.forward_host_seconds == pytest.approx(predicted.forward_host_seconds)
     assert slower_backward.backward_host_seconds == pytest.approx(
-        3 * plan.prediction.backward_host_seconds
+        3 * predicted.backward_host_seconds
     )
 
 
