@@ -17,7 +17,7 @@ from offload_pass.options import OffloadOptions, set_fraction
 from offload_pass.peak import PeakBreakdown, peak_breakdown
 from offload_pass.plan import Plan
 from offload_pass.planner import Decision
-from offload_pass.profiles import DeviceProfile
+from offload_pass.profiles import DeviceProfile, HostScale
 from offload_pass.report import ModelReport
 from offload_pass.runtime import OffloadError, TransferCounts, counts
 from offload_pass.simulate import CopyPrediction, Prediction, Transfer
@@ -31,6 +31,7 @@ __all__ = [
     "Decision",
     "ModelReport",
     "DeviceProfile",
+    "HostScale",
     "OffloadBackend",
     "OffloadError",
     "OffloadOptions",
