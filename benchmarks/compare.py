@@ -51,6 +51,10 @@ class Hardware:
         return cls(name, p.device_to_host, p.host_to_device, p.both_directions, p.matmul_flops)
 
 
+def _error(predicted: float, measured: float) -> float:
+    return abs(predicted - measured) / measured
+
+
 def derive(rows: Sequence[Measurement], hardware: Hardware) -> list[dict[str, Any]]:
     """Each measurement with its ratios against the baseline of the same run."""
     base = next((r for r in rows if r.config == BASELINE and r.ok), None)
@@ -70,11 +74,11 @@ def derive(rows: Sequence[Measurement], hardware: Hardware) -> list[dict[str, An
                 )
                 d["bound_ratio"] = r.step_ms / d["pcie_bound_ms"]
             if r.predicted_step_ms is not None:
-                d["step_prediction_error"] = abs(r.predicted_step_ms - r.step_ms) / r.step_ms
+                d["step_prediction_error"] = _error(r.predicted_step_ms, r.step_ms)
+            if r.predicted_step_ms is not None and r.paired_step_ms is not None:
+                d["step_prediction_error_in_turns"] = _error(r.predicted_step_ms, r.paired_step_ms)
             if r.predicted_peak_bytes is not None and r.peak_bytes is not None:
-                d["peak_prediction_error"] = (
-                    abs(r.predicted_peak_bytes - r.peak_bytes) / r.peak_bytes
-                )
+                d["peak_prediction_error"] = _error(r.predicted_peak_bytes, r.peak_bytes)
         derived.append(d)
     return derived
 
@@ -232,6 +236,7 @@ COLUMNS = (
     ("step_ms", "step ms", "{:.1f}"),
     ("step_ratio", "ratio", "{:.3f}"),
     ("paired_step_ratio", "ratio in turns", "{:.3f}"),
+    ("paired_step_ms", "ms in turns", "{:.1f}"),
     ("peak_bytes", "peak GiB", "gib"),
     ("active_peak_bytes", "active GiB", "gib"),
     ("held_bytes", "held GiB", "gib"),

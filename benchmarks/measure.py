@@ -62,7 +62,10 @@ class Measurement:
     """The plans' host time, without a step's fixed host time (guards, wrappers)."""
     paired_step_ratio: float | None = None
     """The step time over the baseline's, the two compiled side by side and stepped in
-    turns (:func:`paired_step_ratio`); None where not measured."""
+    turns (:func:`steps_in_turns`); None where not measured."""
+    paired_step_ms: float | None = None
+    """The median step in those turns: measured in the same stretch of the process as
+    the baseline's, not in a stretch of its own."""
 
     @property
     def ok(self) -> bool:
@@ -238,12 +241,22 @@ def measure(
     )
 
 
-def paired_step_ratio(
+@dataclasses.dataclass(frozen=True)
+class StepsInTurns:
+    """Two configurations stepped in turns: the median of the rounds' ratios of
+    ``other``'s step to ``baseline``'s, and the median of each one's steps."""
+
+    ratio: float
+    baseline_ms: float
+    other_ms: float
+
+
+def steps_in_turns(
     baseline: Config, other: Config, build: Build, device: torch.device, rounds: int
-) -> float:
-    """``other``'s step time over ``baseline``'s, measured in turns: both built and
+) -> StepsInTurns:
+    """``other``'s steps against ``baseline``'s, measured in turns: both built and
     compiled side by side, warmed up, then ``rounds`` rounds of one step of each, in
-    alternating order; the median of the rounds' ratios.
+    alternating order.
 
     Measured one after the other, two configurations of a host-bound model (the host
     issues its kernels no faster than the device runs them) differ also by what the
@@ -266,12 +279,16 @@ def paired_step_ratio(
     for model, forward, x in prepared:
         _run_step(forward, x, device)
         model.zero_grad(set_to_none=True)
-    ratios = []
+    rounds_seconds = []
     for turn in range(rounds):
         seconds = {}
         for i in (0, 1) if turn % 2 == 0 else (1, 0):
             model, forward, x = prepared[i]
             seconds[i] = _run_step(forward, x, device).seconds
             model.zero_grad(set_to_none=True)
-        ratios.append(seconds[1] / seconds[0])
-    return statistics.median(ratios)
+        rounds_seconds.append(seconds)
+    return StepsInTurns(
+        ratio=statistics.median(s[1] / s[0] for s in rounds_seconds),
+        baseline_ms=statistics.median(s[0] for s in rounds_seconds) * 1e3,
+        other_ms=statistics.median(s[1] for s in rounds_seconds) * 1e3,
+    )

@@ -277,13 +277,13 @@ def test_zoo_checks_autos_ratio_on_the_steps_taken_in_turns_where_measured():
     ) in zoo.check_targets(controlled)
 
 
-def test_a_paired_ratio_reads_the_slower_configuration_as_slower():
+def test_steps_in_turns_read_the_slower_configuration_as_slower():
     import time
 
     import torch
 
     from benchmarks.configs import Config
-    from benchmarks.measure import paired_step_ratio
+    from benchmarks.measure import steps_in_turns
 
     def slowed(model, shared):
         def forward(x):
@@ -300,11 +300,41 @@ def test_a_paired_ratio_reads_the_slower_configuration_as_slower():
 
     plain = Config("plain", "no offload", lambda model, shared: lambda x: model(x).sum())
     slow = Config("slow", "no offload", slowed)
-    ratio = paired_step_ratio(plain, slow, build, torch.device("cpu"), rounds=3)
+    turns = steps_in_turns(plain, slow, build, torch.device("cpu"), rounds=3)
     assert len(built) == 2
-    assert ratio > 2
-    assert paired_step_ratio(slow, plain, build, torch.device("cpu"), rounds=3) < 0.5
+    assert turns.ratio > 2
+    assert turns.other_ms >= 20 > turns.baseline_ms
+    assert steps_in_turns(slow, plain, build, torch.device("cpu"), rounds=3).ratio < 0.5
     assert all(m.weight.grad is None for m in built)
+
+
+def test_zoo_checks_the_step_predicted_against_the_step_measured_in_turns_too():
+    from benchmarks import zoo
+    from benchmarks.measure import Measurement
+
+    hardware = compare.Hardware("cpu", None, None, None, None)
+    stock = Measurement("compiled", "stock", "ok", step_ms=9.4, forward_ms=3.0, peak_bytes=10)
+    auto = Measurement(
+        "offload_pass auto",
+        "offload_pass",
+        "ok",
+        step_ms=11.9,
+        forward_ms=3.0,
+        peak_bytes=10,
+        predicted_step_ms=10.3,
+        paired_step_ratio=1.004,
+        paired_step_ms=10.0,
+    )
+    rows = compare.derive([stock, auto], hardware)
+    assert rows[1]["step_prediction_error"] == pytest.approx(1.6 / 11.9)
+    assert rows[1]["step_prediction_error_in_turns"] == pytest.approx(0.03)
+    assert "step_prediction_error_in_turns" not in compare.derive([stock], hardware)[0]
+    lines = zoo.check_targets(rows)
+    assert "offload_pass auto: step prediction error 13.4% (target <= 10%): MISSED" in lines
+    assert "offload_pass auto: step prediction error in turns 3.0% (target <= 10%): met" in lines
+    results = {"date": "", "torch": "", "hardware": hardware.__dict__, "workloads": {}}
+    results["workloads"]["m"] = {"rows": rows, "targets": lines, "auto_profiled": None}
+    assert "ms in turns" in compare.report(results)
 
 
 def test_zoo_refuses_negative_paired_rounds(capsys):
