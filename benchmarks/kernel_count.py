@@ -2,8 +2,9 @@
 model (and the small decoder stack at a few depths) compiled whole at fraction 0 (nothing
 moves, the stock graph), its kernels per step on the device (a profiler trace), the calls
 in the code Inductor generated for it by kind, the host's time to issue a step (the device
-held busy, ``measure.host_seconds``), and the plan's launches and predicted host time and
-step. With ``--out``, the generated code and the table as JSON are written there.
+held busy, ``measure.host_seconds``, and drained before forward and before backward, as
+the host clock samples it), and the plan's launches and predicted host time and step.
+With ``--out``, the generated code and the table as JSON are written there.
 
     python -m benchmarks.kernel_count [--models mixtral llama gpt2 vit_b16] [--stacks 4 8]
 
@@ -19,6 +20,7 @@ import dataclasses
 import json
 import re
 import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -77,6 +79,21 @@ def device_work(forward, batch) -> collections.Counter:
     return kinds
 
 
+def drained_host_seconds(forward, batch) -> float:
+    """The host's time to issue a step's forward and its backward, the device synchronized
+    before each (``offload_pass.host_clock.HostClock`` samples them so)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    loss = forward(batch)
+    forward_seconds = time.perf_counter() - start
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    loss.backward()
+    backward_seconds = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return forward_seconds + backward_seconds
+
+
 def step_seconds(forward, batch) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
@@ -106,6 +123,7 @@ def count(name: str, build, device: torch.device, code_dir: Path | None) -> dict
         forward(batch).backward()
         task.zero_grad(set_to_none=True)
     hosts = timed(lambda f, b: host_seconds(f, b, device))
+    drained = timed(drained_host_seconds)
     host, step = statistics.median(hosts), statistics.median(timed(step_seconds))
     kinds = device_work(forward, batch)
     task.zero_grad(set_to_none=True)
@@ -129,6 +147,9 @@ def count(name: str, build, device: torch.device, code_dir: Path | None) -> dict
         "host ms": host * 1e3,
         "host ms min": min(hosts) * 1e3,
         "host ms max": max(hosts) * 1e3,
+        "drained host ms": statistics.median(drained) * 1e3,
+        "drained host ms min": min(drained) * 1e3,
+        "drained host ms max": max(drained) * 1e3,
         "pred host ms": sum(p.prediction.host_seconds for p in plans) * 1e3,
         "step ms": step * 1e3,
         "pred step ms": sum(p.prediction.step_seconds for p in plans) * 1e3,

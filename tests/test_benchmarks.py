@@ -612,3 +612,38 @@ def test_plan_repeat_says_which_process_planned_as_the_first_of_its_cache_settin
     with pytest.raises(SystemExit):
         plan_repeat.main(["--processes", "1"])
     assert "--processes must be at least 2, got 1" in capsys.readouterr().err
+
+
+def test_kernel_count_times_the_host_issuing_forward_and_backward_but_not_the_drains(
+    monkeypatch,
+):
+    import torch
+
+    from benchmarks import kernel_count
+
+    clock = [0.0]
+    events = []
+
+    def drain():  # a device that takes 50 s to finish what was issued
+        events.append("drain")
+        clock[0] += 50.0
+
+    class Issued(torch.autograd.Function):  # the host takes 1 s to issue each pass
+        @staticmethod
+        def forward(ctx, x):
+            events.append("forward")
+            clock[0] += 1.0
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            events.append("backward")
+            clock[0] += 1.0
+            return grad
+
+    monkeypatch.setattr(torch.cuda, "synchronize", drain)
+    monkeypatch.setattr(kernel_count.time, "perf_counter", lambda: clock[0])
+    x = torch.ones(2, requires_grad=True)
+    seconds = kernel_count.drained_host_seconds(lambda batch: Issued.apply(batch).sum(), x)
+    assert events == ["drain", "forward", "drain", "backward", "drain"]
+    assert seconds == 2.0
