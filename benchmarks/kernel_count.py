@@ -2,8 +2,9 @@
 model (and the small decoder stack at a few depths) compiled whole at fraction 0 (nothing
 moves, the stock graph), its kernels per step on the device (a profiler trace), the calls
 in the code Inductor generated for it by kind, the host's time to issue a step (the device
-held busy, ``measure.host_seconds``, and drained before forward and before backward, as
-the host clock samples it), and the plan's launches and predicted host time and step.
+held busy, ``measure.host_seconds``, and drained before forward and before backward as
+the host clock samples it, ``measure.drained_host_seconds``), and the plan's launches and
+predicted host time and step.
 With ``--out``, the generated code and the table as JSON are written there.
 
     python -m benchmarks.kernel_count [--models mixtral llama gpt2 vit_b16] [--stacks 4 8]
@@ -20,7 +21,6 @@ import dataclasses
 import json
 import re
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,7 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import offload_pass
 from benchmarks import workloads, zoo
-from benchmarks.measure import host_seconds
+from benchmarks.measure import drained_host_seconds, host_seconds
 
 WARMUP_STEPS = 4
 TIMED_STEPS = 7
@@ -77,21 +77,6 @@ def device_work(forward, batch) -> collections.Counter:
             name = event.name
             kinds["memcpy" if "Memcpy" in name else "memset" if "Memset" in name else "kernel"] += 1
     return kinds
-
-
-def drained_host_seconds(forward, batch) -> float:
-    """The host's time to issue a step's forward and its backward, the device synchronized
-    before each (``offload_pass.host_clock.HostClock`` samples them so)."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    loss = forward(batch)
-    forward_seconds = time.perf_counter() - start
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    loss.backward()
-    backward_seconds = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return forward_seconds + backward_seconds
 
 
 def step_seconds(forward, batch) -> float:

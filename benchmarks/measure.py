@@ -138,6 +138,21 @@ def host_seconds(forward: Any, x: Any, device: torch.device) -> float | None:
     return None if waited else seconds
 
 
+def drained_host_seconds(forward: Any, x: Any) -> float:
+    """The host's time to issue a step's forward and its backward, the device synchronized
+    before each (``offload_pass.host_clock.HostClock`` samples them so). CUDA only."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    loss = forward(x)
+    forward_seconds = time.perf_counter() - start
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    loss.backward()
+    backward_seconds = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return forward_seconds + backward_seconds
+
+
 def _predictions(shared: dict[str, Any]) -> dict[str, Any]:
     """What the plans predict, where they cover the whole step. One chunk's plan run once
     per block (``shared["whole_step"]`` False) times only that block, and predicts the

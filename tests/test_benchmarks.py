@@ -614,12 +614,12 @@ def test_plan_repeat_says_which_process_planned_as_the_first_of_its_cache_settin
     assert "--processes must be at least 2, got 1" in capsys.readouterr().err
 
 
-def test_kernel_count_times_the_host_issuing_forward_and_backward_but_not_the_drains(
+def test_drained_host_time_counts_forward_and_backward_issued_but_not_the_drains(
     monkeypatch,
 ):
     import torch
 
-    from benchmarks import kernel_count
+    from benchmarks import measure
 
     clock = [0.0]
     events = []
@@ -642,8 +642,8 @@ def test_kernel_count_times_the_host_issuing_forward_and_backward_but_not_the_dr
             return grad
 
     monkeypatch.setattr(torch.cuda, "synchronize", drain)
-    monkeypatch.setattr(kernel_count.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: clock[0])
     x = torch.ones(2, requires_grad=True)
-    seconds = kernel_count.drained_host_seconds(lambda batch: Issued.apply(batch).sum(), x)
+    seconds = measure.drained_host_seconds(lambda batch: Issued.apply(batch).sum(), x)
     assert events == ["drain", "forward", "drain", "backward", "drain"]
     assert seconds == 2.0
