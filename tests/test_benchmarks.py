@@ -322,6 +322,7 @@ def test_zoo_checks_the_step_predicted_against_the_step_measured_in_turns_too():
         forward_ms=3.0,
         peak_bytes=10,
         predicted_step_ms=10.3,
+        predicted_forward_ms=2.4,
         paired_step_ratio=1.004,
         paired_step_ms=10.0,
     )
@@ -334,7 +335,15 @@ def test_zoo_checks_the_step_predicted_against_the_step_measured_in_turns_too():
     assert "offload_pass auto: step prediction error in turns 3.0% (target <= 10%): met" in lines
     results = {"date": "", "torch": "", "hardware": hardware.__dict__, "workloads": {}}
     results["workloads"]["m"] = {"rows": rows, "targets": lines, "auto_profiled": None}
-    assert "ms in turns" in compare.report(results)
+    table = compare.report(results)
+    assert "ms in turns" in table
+    header, _, auto_row = (
+        [cell.strip() for cell in line.split("|")]
+        for line in table.splitlines()
+        if line.startswith("| ")
+    )
+    cells = dict(zip(header, auto_row, strict=True))
+    assert (cells["fwd ms"], cells["pred fwd ms"]) == ("3.0", "2.4")
 
 
 def test_zoo_refuses_negative_paired_rounds(capsys):
