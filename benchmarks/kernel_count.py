@@ -3,8 +3,10 @@ model (and the small decoder stack at a few depths) compiled whole at fraction 0
 moves, the stock graph), its kernels per step on the device (a profiler trace), the calls
 in the code Inductor generated for it by kind, the host's time to issue a step (the device
 held busy, ``measure.host_seconds``, and drained before forward and before backward as
-the host clock samples it, ``measure.drained_host_seconds``), and the plan's launches and
-predicted host time and step.
+the host clock samples it, ``measure.drained_host_seconds``), each pass's time on the
+device issued to an idle device and queued behind a head start
+(``measure.pass_device_seconds``: their difference is the device waiting for the host),
+and the plan's launches and predicted host time, passes and step.
 With ``--out``, the generated code and the table as JSON are written there.
 
     python -m benchmarks.kernel_count [--models mixtral llama gpt2 vit_b16] [--stacks 4 8]
@@ -32,7 +34,12 @@ from torch.profiler import ProfilerActivity, profile
 
 import offload_pass
 from benchmarks import workloads, zoo
-from benchmarks.measure import drained_host_seconds, host_seconds
+from benchmarks.measure import (
+    HEAD_START_CYCLES,
+    drained_host_seconds,
+    host_seconds,
+    pass_device_seconds,
+)
 
 WARMUP_STEPS = 4
 TIMED_STEPS = 7
@@ -89,13 +96,17 @@ def step_seconds(forward, batch) -> float:
     return start.elapsed_time(end) / 1e3
 
 
+def _median_ms(samples: list, field: str) -> float:
+    return statistics.median(getattr(s, field) for s in samples) * 1e3
+
+
 def count(name: str, build, device: torch.device, code_dir: Path | None) -> dict[str, object]:
     torch.compiler.reset()
     task, batch = build(device)
     backend = offload_pass.backend(fraction=0.0)
     forward = torch.compile(task, backend=backend)
 
-    def timed(measure) -> list[float]:
+    def timed(measure) -> list:
         values = []
         for _ in range(TIMED_STEPS):
             values.append(measure(forward, batch))
@@ -109,6 +120,8 @@ def count(name: str, build, device: torch.device, code_dir: Path | None) -> dict
         task.zero_grad(set_to_none=True)
     hosts = timed(lambda f, b: host_seconds(f, b, device))
     drained = timed(drained_host_seconds)
+    idle = timed(lambda f, b: pass_device_seconds(f, b, 0))
+    queued = timed(lambda f, b: pass_device_seconds(f, b, HEAD_START_CYCLES))
     host, step = statistics.median(hosts), statistics.median(timed(step_seconds))
     kinds = device_work(forward, batch)
     task.zero_grad(set_to_none=True)
@@ -118,6 +131,8 @@ def count(name: str, build, device: torch.device, code_dir: Path | None) -> dict
     calls = sum((calls_in_code(c) for c in codes), collections.Counter())
     plans = backend.plans
     launches = sum(p.costs.launches for p in plans)
+    predicted_forward = sum(p.prediction.forward_seconds for p in plans)
+    predicted_step = sum(p.prediction.step_seconds for p in plans)
     graph_inputs = sum(
         n.op == "placeholder" for p in plans for g in (p.forward, p.backward) for n in g.graph.nodes
     )
@@ -136,8 +151,14 @@ def count(name: str, build, device: torch.device, code_dir: Path | None) -> dict
         "drained host ms min": min(drained) * 1e3,
         "drained host ms max": max(drained) * 1e3,
         "pred host ms": sum(p.prediction.host_seconds for p in plans) * 1e3,
+        "fwd ms idle": _median_ms(idle, "forward"),
+        "fwd ms queued": _median_ms(queued, "forward"),
+        "pred fwd ms": predicted_forward * 1e3,
+        "bwd ms idle": _median_ms(idle, "backward"),
+        "bwd ms queued": _median_ms(queued, "backward"),
+        "pred bwd ms": (predicted_step - predicted_forward) * 1e3,
         "step ms": step * 1e3,
-        "pred step ms": sum(p.prediction.step_seconds for p in plans) * 1e3,
+        "pred step ms": predicted_step * 1e3,
         "host us per launch counted": host / launches * 1e6,
     }
 

@@ -153,6 +153,38 @@ def drained_host_seconds(forward: Any, x: Any) -> float:
     return forward_seconds + backward_seconds
 
 
+@dataclasses.dataclass(frozen=True)
+class PassSeconds:
+    """The device's seconds for a step's forward and for its backward."""
+
+    forward: float
+    backward: float
+
+
+def pass_device_seconds(forward: Any, x: Any, head_start_cycles: int) -> PassSeconds:
+    """Each pass's time on the device, from an event recorded before the host issues it
+    to its last kernel, the device synchronized before each and then kept busy for
+    ``head_start_cycles`` (none where 0). With a head start longer than the host takes
+    to issue the pass, the time is the device's own; with none, it also counts the
+    device waiting for the host, as a step timed from an idle device does. CUDA only."""
+    device = torch.device("cuda", torch.cuda.current_device())
+
+    def on_device(issue: Callable[[], Any]) -> tuple[float, Any]:
+        torch.cuda.synchronize()
+        if head_start_cycles:
+            _compat.spin_device(device, head_start_cycles)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = issue()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3, result
+
+    forward_seconds, loss = on_device(lambda: forward(x))
+    backward_seconds, _ = on_device(loss.backward)
+    return PassSeconds(forward_seconds, backward_seconds)
+
+
 def _predictions(shared: dict[str, Any]) -> dict[str, Any]:
     """What the plans predict, where they cover the whole step. One chunk's plan run once
     per block (``shared["whole_step"]`` False) times only that block, and predicts the

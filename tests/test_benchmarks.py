@@ -656,3 +656,57 @@ def test_drained_host_time_counts_forward_and_backward_issued_but_not_the_drains
     seconds = measure.drained_host_seconds(lambda batch: Issued.apply(batch).sum(), x)
     assert events == ["drain", "forward", "drain", "backward", "drain"]
     assert seconds == 2.0
+
+
+def test_pass_device_time_counts_the_host_only_without_a_head_start(monkeypatch):
+    import torch
+
+    from benchmarks import measure
+
+    host_issues, device_runs = {"forward": 3.0, "backward": 1.0}, {"forward": 2.0, "backward": 5.0}
+    clock = {"host": 0.0, "device": 0.0}  # how far each has come, in seconds
+
+    def issue(name):  # the device runs a pass's kernels as the host issues them
+        clock["host"] += host_issues[name]
+        clock["device"] = max(clock["device"] + device_runs[name], clock["host"])
+
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):  # the device reaches the event once all before it has run
+            self.at = max(clock["host"], clock["device"])
+
+        def elapsed_time(self, end):
+            return (end.at - self.at) * 1e3
+
+    class Pass(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            issue("forward")
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            issue("backward")
+            return grad
+
+    def synchronize():
+        clock["host"] = clock["device"] = max(clock.values())
+
+    def spin(device, cycles):  # a head start of one second per cycle
+        clock["device"] = max(clock.values()) + cycles
+
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(measure._compat, "spin_device", spin)
+    x = torch.ones(2, requires_grad=True)
+
+    def step(batch):
+        return Pass.apply(batch).sum()
+
+    idle = measure.pass_device_seconds(step, x, head_start_cycles=0)
+    assert (idle.forward, idle.backward) == (3.0, 5.0)  # forward waits for the host
+    queued = measure.pass_device_seconds(step, x, head_start_cycles=10)
+    assert (queued.forward, queued.backward) == (2.0, 5.0)  # the device's own time
