@@ -333,16 +333,37 @@ def test_zoo_checks_the_step_predicted_against_the_step_measured_in_turns_too():
     lines = zoo.check_targets(rows)
     assert "offload_pass auto: step prediction error 13.4% (target <= 10%): MISSED" in lines
     assert "offload_pass auto: step prediction error in turns 3.0% (target <= 10%): met" in lines
+
+
+def test_report_shows_each_steps_forward_measured_and_predicted():
+    from benchmarks.measure import Measurement
+
+    hardware = compare.Hardware("cpu", None, None, None, None)
+    stock = Measurement("compiled", "stock", "ok", step_ms=9.4, forward_ms=3.1, peak_bytes=10)
+    auto = Measurement(
+        "offload_pass auto",
+        "offload_pass",
+        "ok",
+        step_ms=11.9,
+        forward_ms=3.0,
+        peak_bytes=10,
+        predicted_step_ms=10.3,
+        predicted_forward_ms=2.4,
+        paired_step_ms=10.0,
+    )
     results = {"date": "", "torch": "", "hardware": hardware.__dict__, "workloads": {}}
-    results["workloads"]["m"] = {"rows": rows, "targets": lines, "auto_profiled": None}
+    rows = compare.derive([stock, auto], hardware)
+    results["workloads"]["m"] = {"rows": rows, "targets": [], "auto_profiled": None}
     table = compare.report(results)
     assert "ms in turns" in table
-    header, _, auto_row = (
+    header, stock_row, auto_row = (
         [cell.strip() for cell in line.split("|")]
         for line in table.splitlines()
         if line.startswith("| ")
     )
+    stock_cells = dict(zip(header, stock_row, strict=True))
     cells = dict(zip(header, auto_row, strict=True))
+    assert (stock_cells["fwd ms"], stock_cells["pred fwd ms"]) == ("3.1", "")
     assert (cells["fwd ms"], cells["pred fwd ms"]) == ("3.0", "2.4")
 
 
