@@ -1,7 +1,8 @@
 """What the host issues in a compiled step, against what the cost model counts: each zoo
 model (and the small decoder stack at a few depths) compiled whole at fraction 0 (nothing
 moves, the stock graph), its kernels per step on the device (a profiler trace), the calls
-in the code Inductor generated for it by kind, the host's time to issue a step (the device
+in the code Inductor generated for it by kind, those launching work in each pass beside
+the launches the cost model counts there, the host's time to issue a step (the device
 held busy, ``measure.host_seconds``, and drained before forward and before backward as
 the host clock samples it, ``measure.drained_host_seconds``), each pass's time on the
 device issued to an idle device and queued behind a head start
@@ -55,12 +56,34 @@ CALL_KINDS = {
 """Host-side calls in the code Inductor generates, by kind, as its wrapper spells them."""
 
 
+LAUNCHING_KINDS = ("triton", "extern", "aten")
+"""The kinds of call that launch work on the device."""
+
+
+def _call_body(code: str) -> str:
+    return code.partition("def call(")[2].partition("\ndef ")[0]
+
+
 def calls_in_code(code: str) -> collections.Counter:
     """Calls of each kind in the generated module's ``call`` function."""
-    body = code.partition("def call(")[2].partition("\ndef ")[0]
     return collections.Counter(
-        kind for line in body.splitlines() for kind, call in CALL_KINDS.items() if call.search(line)
+        kind
+        for line in _call_body(code).splitlines()
+        for kind, call in CALL_KINDS.items()
+        if call.search(line)
     )
+
+
+def launches_by_pass(codes: list[str]) -> dict[str, int]:
+    """The calls launching device work (:data:`LAUNCHING_KINDS`) in the generated
+    modules, summed by pass: a backward module's ``call`` takes the tangents (as
+    AOTAutograd names the gradients flowing in), a forward's does not."""
+    launches = {"forward": 0, "backward": 0}
+    for code in codes:
+        calls = calls_in_code(code)
+        phase = "backward" if "tangents_" in _call_body(code) else "forward"
+        launches[phase] += sum(calls[kind] for kind in LAUNCHING_KINDS)
+    return launches
 
 
 def stack_task(layers: int) -> Callable[[torch.device], tuple[nn.Module, torch.Tensor]]:
@@ -129,8 +152,10 @@ def count(name: str, build, device: torch.device, code_dir: Path | None) -> dict
         for i, code in enumerate(codes):
             (code_dir / f"{name}_{i}.py").write_text(code)
     calls = sum((calls_in_code(c) for c in codes), collections.Counter())
+    code_launches = launches_by_pass(codes)
     plans = backend.plans
     launches = sum(p.costs.launches for p in plans)
+    forward_launches = sum(sum(p.costs.forward_launches) for p in plans)
     predicted_forward = sum(p.prediction.forward_seconds for p in plans)
     predicted_step = sum(p.prediction.step_seconds for p in plans)
     graph_inputs = sum(
@@ -140,6 +165,10 @@ def count(name: str, build, device: torch.device, code_dir: Path | None) -> dict
         "model": name,
         "chunks": len(plans),
         "launches counted": launches,
+        "fwd launches counted": forward_launches,
+        "bwd launches counted": launches - forward_launches,
+        "fwd launches in code": code_launches["forward"],
+        "bwd launches in code": code_launches["backward"],
         **{f"code {kind}": calls[kind] for kind in CALL_KINDS},
         "graph inputs": graph_inputs,
         "device kernels": kinds["kernel"],

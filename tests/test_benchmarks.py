@@ -492,6 +492,30 @@ def benchmark_compiled_module():
     }
 
 
+def test_kernel_count_sums_the_launching_calls_of_each_pass():
+    from benchmarks.kernel_count import launches_by_pass
+
+    forward = """
+def call(args):
+    primals_1, primals_2 = args
+    buf0 = empty_strided_cuda((8, 8), (8, 1), torch.float32)
+    extern_kernels.mm(primals_1, primals_2, out=buf0)
+    triton_poi_fused_gelu_0.run(buf0, 64, stream=stream0)
+    return (buf0, primals_1)
+"""
+    backward = """
+def call(args):
+    primals_1, buf0, tangents_1 = args
+    buf1 = empty_strided_cuda((8, 8), (8, 1), torch.float32)
+    triton_poi_fused_gelu_backward_0.run(tangents_1, buf0, buf1, 64, stream=stream0)
+    extern_kernels.mm(buf1, primals_1, out=buf1)
+    buf2 = torch.ops.aten._scaled_dot_product_flash_attention_backward.default(buf1)
+    triton_red_fused_sum_1.run(buf1, 8, 8, stream=stream0)
+    return (buf1, buf2)
+"""
+    assert launches_by_pass([forward, backward, forward]) == {"forward": 4, "backward": 4}
+
+
 def test_step_breakdown_sorts_kernels_and_prices_every_node_once():
     import offload_pass
     from benchmarks import step_breakdown, workloads
