@@ -308,12 +308,12 @@ def test_steps_in_turns_read_the_slower_configuration_as_slower():
     assert all(m.weight.grad is None for m in built)
 
 
-def test_zoo_checks_the_step_predicted_against_the_step_measured_in_turns_too():
-    from benchmarks import zoo
+def _stock_and_auto_in_turns():
+    """A stock compile's step and an ``auto`` step measured alone and in turns, with
+    ``auto``'s predictions."""
     from benchmarks.measure import Measurement
 
-    hardware = compare.Hardware("cpu", None, None, None, None)
-    stock = Measurement("compiled", "stock", "ok", step_ms=9.4, forward_ms=3.0, peak_bytes=10)
+    stock = Measurement("compiled", "stock", "ok", step_ms=9.4, forward_ms=3.1, peak_bytes=10)
     auto = Measurement(
         "offload_pass auto",
         "offload_pass",
@@ -326,6 +326,14 @@ def test_zoo_checks_the_step_predicted_against_the_step_measured_in_turns_too():
         paired_step_ratio=1.004,
         paired_step_ms=10.0,
     )
+    return stock, auto
+
+
+def test_zoo_checks_the_step_predicted_against_the_step_measured_in_turns_too():
+    from benchmarks import zoo
+
+    hardware = compare.Hardware("cpu", None, None, None, None)
+    stock, auto = _stock_and_auto_in_turns()
     rows = compare.derive([stock, auto], hardware)
     assert rows[1]["step_prediction_error"] == pytest.approx(1.6 / 11.9)
     assert rows[1]["step_prediction_error_in_turns"] == pytest.approx(0.03)
@@ -336,23 +344,9 @@ def test_zoo_checks_the_step_predicted_against_the_step_measured_in_turns_too():
 
 
 def test_report_shows_each_steps_forward_measured_and_predicted():
-    from benchmarks.measure import Measurement
-
     hardware = compare.Hardware("cpu", None, None, None, None)
-    stock = Measurement("compiled", "stock", "ok", step_ms=9.4, forward_ms=3.1, peak_bytes=10)
-    auto = Measurement(
-        "offload_pass auto",
-        "offload_pass",
-        "ok",
-        step_ms=11.9,
-        forward_ms=3.0,
-        peak_bytes=10,
-        predicted_step_ms=10.3,
-        predicted_forward_ms=2.4,
-        paired_step_ms=10.0,
-    )
     results = {"date": "", "torch": "", "hardware": hardware.__dict__, "workloads": {}}
-    rows = compare.derive([stock, auto], hardware)
+    rows = compare.derive(list(_stock_and_auto_in_turns()), hardware)
     results["workloads"]["m"] = {"rows": rows, "targets": [], "auto_profiled": None}
     table = compare.report(results)
     assert "ms in turns" in table
