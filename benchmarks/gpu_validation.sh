@@ -8,7 +8,7 @@
 #   example     the main example
 #   overhead    the transfer ops' host time, alone and inside compiled steps (op_overhead.py)
 #   kernels     the zoo's launches as counted against the kernels run and the host's time
-#               (kernel_count.py)
+#               (kernel_count.py; the generated code and the table as JSON in $OUT/kernel_count)
 #   finetune    the fine-tuning example (examples/finetune_hf.py; $FINETUNE_ARGS are passed,
 #               shell quoting kept: FINETUNE_ARGS='--configs none auto "budget 0.7"')
 #   breakdown   what is alive at the measured peak of W2's auto and three W1 configurations
@@ -60,7 +60,7 @@ for step in "${steps[@]}"; do
         python -m benchmarks.op_overhead --device cuda 2>&1 | tee "$out/op_overhead.log"
         ;;
     kernels)
-        python -m benchmarks.kernel_count 2>&1 | tee "$out/kernel_count.log"
+        python -m benchmarks.kernel_count --out "$out/kernel_count" 2>&1 | tee "$out/kernel_count.log"
         ;;
     finetune)
         eval "python examples/finetune_hf.py ${FINETUNE_ARGS:-}" 2>&1 | tee "$out/finetune_hf.log"
