@@ -15,6 +15,7 @@ import re
 import threading
 import types
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -75,8 +76,21 @@ def stock_partition(
     estimator = None if recompute_seconds is None else runtime_estimator(recompute_seconds)
     if estimator is not None:
         settings["activation_memory_budget_runtime_estimator"] = estimator
+    if joint.graph in _DEDUPLICATED:
+        settings["cse"] = False
+    before = joint.graph
     with config.patch(**settings):
-        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        graphs = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        if config.cse and joint.graph is not before:
+            _DEDUPLICATED.add(joint.graph)
+    return graphs
+
+
+_DEDUPLICATED: weakref.WeakSet[torch.fx.Graph] = weakref.WeakSet()
+"""Joint graphs made by the partitioner's common subexpression pass, which replaces the
+joint's graph by its result: a search partitioning one joint several times runs the pass
+once (on W1, 0.1 s of each partition's 0.5, the pass and the joint's recompile). On a
+graph it made, the pass merges nothing more."""
 
 
 def runtime_estimator(seconds: Callable[[torch.fx.Node], float]) -> object | None:

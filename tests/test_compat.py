@@ -221,6 +221,44 @@ def _record_setting(monkeypatch, module, name, read):
     return seen
 
 
+def _joint() -> torch.fx.GraphModule:
+    return torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
+
+
+def _partitioner_replacing_the_graph(replaces: bool, seen: list[bool]):
+    """A min-cut partitioner recording its common subexpression setting, whose pass
+    replaces the joint's graph by a copy (torch's) or leaves it."""
+    from torch._functorch import config
+
+    def partition(joint, joint_inputs, **kwargs):
+        seen.append(config.cse)
+        if config.cse and replaces:
+            joint.graph = torch.fx.Graph()
+        return "compiled"
+
+    return partition
+
+
+def test_a_joint_partitioned_again_is_not_deduplicated_again(monkeypatch):
+    seen: list[bool] = []
+    partition = _partitioner_replacing_the_graph(replaces=True, seen=seen)
+    monkeypatch.setattr(_compat, "min_cut_rematerialization_partition", partition)
+    joint, other = _joint(), _joint()
+    for graph in (joint, joint, other, joint):
+        _compat.stock_partition(graph, [], 1.0)
+    assert seen == [True, False, True, False]
+
+
+def test_a_joint_whose_graph_the_partitioner_keeps_is_deduplicated_each_time(monkeypatch):
+    seen: list[bool] = []
+    partition = _partitioner_replacing_the_graph(replaces=False, seen=seen)
+    monkeypatch.setattr(_compat, "min_cut_rematerialization_partition", partition)
+    joint = _joint()
+    _compat.stock_partition(joint, [], 1.0)
+    _compat.stock_partition(joint, [], 1.0)
+    assert seen == [True, True]
+
+
 def test_stock_partition_runs_under_the_recompute_budget(monkeypatch):
     from torch._functorch import config
 
@@ -230,9 +268,9 @@ def test_stock_partition_runs_under_the_recompute_budget(monkeypatch):
         "min_cut_rematerialization_partition",
         lambda: config.activation_memory_budget,
     )
-    _compat.stock_partition(None, [], 0.25)
+    _compat.stock_partition(_joint(), [], 0.25)
     with config.patch(activation_memory_budget=0.6):
-        _compat.stock_partition(None, [], None)
+        _compat.stock_partition(_joint(), [], None)
     assert seen == [0.25, 0.6]
 
 
@@ -252,8 +290,8 @@ def test_stock_partition_prices_recomputation_by_the_seconds_given(monkeypatch):
     from torch._functorch import config
 
     seen = _record_estimator(monkeypatch)
-    _compat.stock_partition(None, [], 0.5, recompute_seconds=lambda node: 0.25)
-    _compat.stock_partition(None, [], 0.5)
+    _compat.stock_partition(_joint(), [], 0.5, recompute_seconds=lambda node: 0.25)
+    _compat.stock_partition(_joint(), [], 0.5)
     estimator, default = seen
     assert estimator("a node") == 0.25 and estimator.uuid() is None
     assert default == config.activation_memory_budget_runtime_estimator
@@ -265,7 +303,7 @@ def test_a_torch_without_runtime_estimators_prices_recomputation_by_flops(monkey
     monkeypatch.delattr(custom_graph_pass, "CustomRuntimeEstimator", raising=False)
     assert _compat.runtime_estimator(lambda node: 0.25) is None
     seen = _record_estimator(monkeypatch)
-    _compat.stock_partition(None, [], 0.5, recompute_seconds=lambda node: 0.25)
+    _compat.stock_partition(_joint(), [], 0.5, recompute_seconds=lambda node: 0.25)
     assert seen == ["flops"]
 
 

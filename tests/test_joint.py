@@ -83,6 +83,39 @@ def test_the_search_splits_with_the_compiles_objects_frozen(monkeypatch):
         gc.unfreeze()
 
 
+def test_a_joint_split_again_is_split_as_a_fresh_copy_of_it_is(monkeypatch):
+    """The search partitions one joint several times; the partitioner's common
+    subexpression pass runs on the first only (``_compat._DEDUPLICATED``), and every
+    split, so the plan, is what it is with the pass run on each."""
+    from torch._functorch import partitioners
+
+    calls = []
+    deduplicate = partitioners.fx_graph_cse
+
+    def counted(graph, *args, **kwargs):
+        calls.append(graph)
+        return deduplicate(graph, *args, **kwargs)
+
+    monkeypatch.setattr(partitioners, "fx_graph_cse", counted)
+    once = _plan("inductor", memory_budget=BUDGET, profile=SLOW_COPIES)
+    assert len(calls) == 1
+    monkeypatch.setattr(_compat, "_DEDUPLICATED", _NeverDeduplicated())
+    each_time = _plan("inductor", memory_budget=BUDGET, profile=SLOW_COPIES)
+    assert len(calls) > 2
+    assert once.recompute_budget == each_time.recompute_budget != 1.0
+    assert once.forward.code == each_time.forward.code
+    assert once.backward.code == each_time.backward.code
+    assert once.prediction == each_time.prediction
+
+
+class _NeverDeduplicated:
+    def __contains__(self, graph: object) -> bool:
+        return False
+
+    def add(self, graph: object) -> None:
+        pass
+
+
 def test_a_budget_no_split_meets_is_planned_once_and_warned_once():
     """A share that rounds to no bytes at all: every split misses it, the search goes on
     in bytes, and the kept plan alone warns."""
