@@ -68,7 +68,8 @@ def stock_partition(
     ``activation_memory_budget`` where given (torch's own setting where None). Under a
     budget below 1 its knapsack chooses what to recompute, cheapest first: priced by
     ``recompute_seconds`` where given and torch takes a runtime estimator of its own
-    (:func:`runtime_estimator`), else by torch's FLOP counts."""
+    (:func:`runtime_estimator`), else by torch's FLOP counts. A joint partitioned again
+    skips the partitioner's common subexpression pass (:data:`_DEDUPLICATED`)."""
     from torch._functorch import config
 
     budget = config.activation_memory_budget if recompute_budget is None else recompute_budget
